@@ -1,0 +1,7 @@
+"""The @triton.jit kernel sources. Each module holds one family of
+``flash_reasoning.specializations``; its parameter order must match the family's."""
+from .append_kv import append_kv
+from .merge_splits import merge_splits
+from .paged_decode import paged_decode
+
+JIT_FUNCTIONS = {fn.__name__: fn for fn in (paged_decode, merge_splits, append_kv)}

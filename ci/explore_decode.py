@@ -1,0 +1,46 @@
+"""Time every compiled paged-decode candidate (FLASH_REASONING_AOT_GRID=wide build) on a few
+cases and print a table: the data behind dispatch.decode_config. Run on a GPU."""
+import sys
+
+import torch
+
+from aot.grid import DECODE_CANDIDATES
+from flash_reasoning import bench, runtime, timing
+from flash_reasoning.paged_decode import decode_launches
+from flash_reasoning.synthetic import paged_problem
+
+SHAPES = [  # (name, seq_lens, qo heads, kv heads, head_dim)
+    ("flat_64x2048/q32kv8", [2048] * 64, 32, 8, 128),
+    ("flat_64x2048/q32kv32", [2048] * 64, 32, 32, 128),
+    ("flat_64x2048/q16kv1", [2048] * 64, 16, 1, 128),
+    ("b4x8192/q32kv8", [8192] * 4, 32, 8, 128),
+    ("b1x32768/q32kv8", [32768], 32, 8, 128),
+    ("b256x2112/q32kv8", [2112] * 256, 32, 8, 128),
+    ("flat_64x2048/q32kv8/d64", [2048] * 64, 32, 8, 64),
+    ("flat_32x2048/q32kv8/d256", [2048] * 32, 32, 8, 256),
+]
+
+
+def main() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch, sms = runtime.arch_of(device.index), runtime.num_sms(device.index)
+    bw = timing.copy_bandwidth_tbps()
+    print(f"{torch.cuda.get_device_name()} {arch} {sms} SMs, copy {bw:.2f} TB/s")
+    for name, lens, hq, hkv, dim in SHAPES:
+        p = paged_problem(lens, hq, hkv, dim, device="cuda")
+        out = torch.empty_like(p.q)
+        floor = (sum(lens) * hkv * dim * 4 + 2 * p.q.numel() * 2) / (bw * 1e12) * 1e6
+        results = []
+        for config in DECODE_CANDIDATES:
+            launches = decode_launches(p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens,
+                                       out, 0.1, arch, sms, config=config)
+            us = timing.median_us(lambda: runtime.run(launches, device), runs=50)
+            results.append((us, config, len(launches)))
+        best = min(results)
+        cells = "  ".join(f"{c[0]}/{c[1]}/{c[2]}:{us:7.1f}" for us, c, _ in results)
+        print(f"{name:26} floor {floor:7.1f}  best {best[1]} {best[0]:.1f} us "
+              f"({best[0] / floor:.2f}x, {best[2]} launches)  | {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+// The CUDA driver API, loaded with dlopen at run time so the build needs no CUDA toolkit
+// and one binary runs on any driver. Only the few types and entry points we use are declared.
+#pragma once
+
+#include <string>
+
+#include "status.h"
+
+namespace flash_reasoning {
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = struct CUctx_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
+using CUstream = struct CUstream_st*;
+
+constexpr CUresult CUDA_SUCCESS = 0;
+constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
+constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
+constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
+
+struct Driver {
+  CUresult (*cuInit)(unsigned flags);
+  CUresult (*cuGetErrorName)(CUresult, const char**);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuDeviceGet)(CUdevice*, int ordinal);
+  CUresult (*cuDeviceGetAttribute)(int*, int attrib, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuCtxGetCurrent)(CUcontext*);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuModuleLoadData)(CUmodule*, const void* image);
+  CUresult (*cuModuleUnload)(CUmodule);
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char* name);
+  CUresult (*cuFuncSetAttribute)(CUfunction, int attrib, int value);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                             unsigned bz, unsigned shared_bytes, CUstream, void** params, void** extra);
+
+  // "call failed: CUDA_ERROR_X (description)" for a failed driver call.
+  Status error(CUresult rc, const std::string& call) const;
+};
+
+// Loads libcuda (FLASH_REASONING_LIBCUDA if set, else "libcuda.so.1") and calls cuInit(0)
+// once per process; thread safe. Failures are not cached, so a later call retries.
+Status get_driver(const Driver** out);
+
+// The driver if get_driver() already succeeded, else nullptr; lock-free for the launch path.
+const Driver* loaded_driver();
+
+// major*10 + minor of CUDA device `ordinal`.
+Status device_compute_capability(int ordinal, int* out);
+
+}  // namespace flash_reasoning

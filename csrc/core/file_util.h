@@ -1,0 +1,16 @@
+// Whole-file reads with Status errors that name the path.
+#pragma once
+
+#include <string>
+
+#include "status.h"
+
+namespace flash_reasoning {
+
+// Reads `path` into `out`. kNotFound when the file does not exist, kIoError otherwise.
+Status read_file(const std::string& path, const char* what, std::string* out);
+
+// Joins a folder and a relative name with one '/'.
+std::string join_path(const std::string& dir, const std::string& name);
+
+}  // namespace flash_reasoning

@@ -1,0 +1,52 @@
+// The per-arch manifest written by the AOT build (<arch_dir>/manifest.json),
+// parsed once into plain structs so the launch path never touches JSON.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "status.h"
+
+namespace flash_reasoning {
+
+// How one kernel parameter is passed to cuLaunchKernel.
+enum class ParamKind { kPointer, kSigned, kUnsigned, kFloat };
+
+struct ParamType {
+  ParamKind kind;
+  int size;  // bytes in the kernel's parameter buffer (1, 2, 4 or 8)
+};
+
+struct ParamInfo {
+  std::string name;
+  std::string type;  // as written in the manifest, e.g. "*fp16", "i32"
+  ParamType packed;
+};
+
+struct KernelInfo {
+  std::string name;    // unique id used to launch
+  std::string family;  // "kernel" field (informational; may be empty)
+  std::string entry;   // function name inside the cubin
+  std::string cubin;   // file name relative to the arch folder
+  std::string sha256;  // lowercase hex of the cubin bytes
+  std::vector<ParamInfo> params;  // caller-supplied params only (scratch params dropped)
+  int num_warps = 0;
+  int shared = 0;  // dynamic shared memory, bytes
+};
+
+struct Manifest {
+  std::string dir;   // the arch folder the manifest was read from
+  std::string arch;  // e.g. "sm90"
+  std::vector<KernelInfo> kernels;
+};
+
+// Upper bound on parameters per kernel: lets the launch path pack into stack buffers.
+constexpr int kMaxKernelParams = 128;
+
+// Maps a manifest type string to its packing; false for unsupported types.
+bool parse_param_type(const std::string& type, ParamType* out);
+
+// Reads and validates <arch_dir>/manifest.json. Errors name the file and the field.
+Status load_manifest(const std::string& arch_dir, Manifest* out);
+
+}  // namespace flash_reasoning

@@ -1,0 +1,85 @@
+"""Which precompiled specialization serves a call, and how the work is split.
+
+Small pure functions (no tensors, no device queries) so they can be read, tested and tuned in
+isolation. ``required_specs`` lists everything these functions can return for an arch: the AOT
+grid compiles at least that, and a test checks every manifest holds it.
+"""
+from __future__ import annotations
+
+import math
+
+from .specializations import APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, Spec, make_spec
+
+HEAD_DIMS = (64, 128, 256)
+#: Query rows per program: the GQA group padded to the smallest tensor-core tile.
+BLOCK_M = 16
+#: Splits merged per step of the merge kernel's loop.
+MERGE_BLOCK_S = 16
+APPEND_BLOCK = 1024
+#: A split shorter than this costs more in partial traffic than it gains in parallelism.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 64
+
+
+def decode_config(head_dim: int, arch: str) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the paged decode kernel, before tuning."""
+    del arch  # one heuristic for sm80/sm89/sm90 until tuning tables exist
+    return (32, 4, 2) if head_dim == 256 else (64, 4, 2)
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not compiled; supported: {HEAD_DIMS}")
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported; use one of {tuple(DTYPES)}")
+
+
+def decode_spec(dtype: str, head_dim: int, split: bool, arch: str,
+                config: tuple[int, int, int] | None = None) -> Spec:
+    """The decode kernel for a call; ``config`` (BLOCK_N, warps, stages) overrides the
+    heuristic (a tuning run times each compiled candidate this way)."""
+    check_dtype(dtype)
+    check_head_dim(head_dim)
+    block_n, warps, stages = config or decode_config(head_dim, arch)
+    return make_spec(PAGED_DECODE, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+                     BLOCK_N=block_n, SPLIT=int(split))
+
+
+def merge_spec(dtype: str, head_dim: int) -> Spec:
+    check_dtype(dtype)
+    check_head_dim(head_dim)
+    return make_spec(MERGE_SPLITS, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
+
+
+def append_spec() -> Spec:
+    return make_spec(APPEND_KV, None, 4, 1, BLOCK=APPEND_BLOCK)
+
+
+def required_specs(arch: str) -> list[Spec]:
+    """Every spec the functions above can return for ``arch``."""
+    specs = [append_spec()]
+    for dtype in DTYPES:
+        for head_dim in HEAD_DIMS:
+            specs += [decode_spec(dtype, head_dim, split, arch) for split in (False, True)]
+            specs.append(merge_spec(dtype, head_dim))
+    return specs
+
+
+def decode_tiles_per_kv_head(num_qo_heads: int, num_kv_heads: int) -> int:
+    return math.ceil(num_qo_heads // num_kv_heads / BLOCK_M)
+
+
+def num_splits(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: int) -> int:
+    """Split each sequence along its length until about two programs run per SM.
+
+    Enough programs already: no split (the merge costs a launch and partial traffic).
+    """
+    programs = num_seqs * programs_per_seq
+    if programs == 0 or programs >= num_sms:
+        return 1
+    wanted = math.ceil(2 * num_sms / programs)
+    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))

@@ -1,0 +1,70 @@
+"""Writes into the paged KV pools: one new token per slot (append) and whole-block copies
+(copy-on-write). The allocator decides *where* to write; this module only moves data.
+
+A pool is ``[num_blocks, block_size, num_kv_heads, head_dim]``; a *slot* is the flat token
+index ``block_id * block_size + offset`` into it.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch, runtime
+from .runtime import Launch
+
+
+def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write ``k[i]``/``v[i]`` (``[num_kv_heads, head_dim]`` each) into token slot ``slots[i]``.
+
+    One kernel launch on CUDA tensors (the AOT ``append_kv`` kernel), plain indexing on CPU.
+    Slots must be distinct; the caller (the allocator) guarantees it.
+    """
+    _check_write(k_pool, v_pool, slots, k, v)
+    if slots.numel() == 0:
+        return
+    if k_pool.is_cuda:
+        runtime.run([append_launch(k_pool, v_pool, slots.to(torch.int64), k.contiguous(),
+                                   v.contiguous())], k_pool.device)
+        return
+    num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    index = slots.to(torch.long)
+    k_pool.view(-1, num_kv_heads, head_dim)[index] = k
+    v_pool.view(-1, num_kv_heads, head_dim)[index] = v
+
+
+def append_launch(k_pool, v_pool, slots, k, v) -> Launch:
+    """The ``append_kv`` launch: one program per (token, chunk of its K/V row)."""
+    row_elems = k_pool.shape[2] * k_pool.shape[3]
+    grid = (slots.numel(), -(-row_elems // dispatch.APPEND_BLOCK), 1)
+    return Launch(dispatch.append_spec(), grid, (k_pool, v_pool, slots, k, v, row_elems))
+
+
+def copy_blocks(pools: list[torch.Tensor], src_blocks: torch.Tensor,
+                dst_blocks: torch.Tensor) -> None:
+    """Copy whole blocks ``src_blocks[i] -> dst_blocks[i]`` in every pool (all layers, K and V).
+
+    Used for copy-on-write; one gather/scatter per pool, on the pools' device.
+    """
+    if src_blocks.numel() == 0:
+        return
+    for pool in pools:
+        src = src_blocks.to(device=pool.device, dtype=torch.long)
+        dst = dst_blocks.to(device=pool.device, dtype=torch.long)
+        pool[dst] = pool[src]
+
+
+def _check_write(k_pool, v_pool, slots, k, v) -> None:
+    if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pool and v_pool differ: {tuple(k_pool.shape)} {k_pool.dtype} "
+                         f"vs {tuple(v_pool.shape)} {v_pool.dtype}")
+    expected = (slots.numel(), k_pool.shape[2], k_pool.shape[3])
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have shape {expected} (tokens, kv heads, head_dim), "
+                             f"got {tuple(t.shape)}")
+        if t.device != k_pool.device:
+            raise ValueError(f"{name} is on {t.device}, the pool on {k_pool.device}")
+        if t.dtype != k_pool.dtype:
+            raise TypeError(f"{name} must be {k_pool.dtype} (the pool's dtype), got {t.dtype}")
+    if slots.device != k_pool.device:
+        raise ValueError(f"slots are on {slots.device}, the pool on {k_pool.device}")

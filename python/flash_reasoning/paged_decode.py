@@ -1,0 +1,127 @@
+"""``paged_decode``: decode attention of one query token per sequence over paged K/V.
+
+Each sequence has its own block table (no sharing is exploited: that is ``tree_attention``).
+On CUDA tensors it runs the AOT kernels (split-K plus a log-sum-exp merge when there are too few
+sequences to fill the GPU); on CPU tensors, the PyTorch path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import dispatch, runtime, torch_path
+from .runtime import Launch
+
+
+def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``q[i]`` over the first ``seq_lens[i]`` tokens of sequence i.
+
+    Args:
+        q: ``[num_seqs, num_qo_heads, head_dim]``, float16 or bfloat16, contiguous.
+        k_pool, v_pool: ``[num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype.
+        block_tables: int32 ``[num_seqs, max_blocks]``: row i lists sequence i's blocks.
+        seq_lens: int32 ``[num_seqs]``, each ``<= max_blocks * block_size``.
+        sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+        out: optional output, like ``q``.
+
+    Returns ``out``. A sequence of length 0 gives zeros. On CUDA the call does not
+    synchronise; lengths above the table's capacity are clamped to it there (checking would
+    need a sync) and raise on CPU.
+    """
+    _validate(q, k_pool, v_pool, block_tables, seq_lens, out)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    out = torch.empty_like(q) if out is None else out
+    if q.is_cuda:
+        device = q.device
+        runtime.run(decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, scale,
+                                    runtime.arch_of(device.index), runtime.num_sms(device.index)),
+                    device)
+    else:
+        _check_lengths_fit(block_tables, seq_lens, k_pool.shape[1])
+        torch_path.paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale, out)
+    return out
+
+
+def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: float,
+                    arch: str, num_sms: int, num_splits: int | None = None,
+                    config: tuple[int, int, int] | None = None) -> list[Launch]:
+    """The launches of one paged decode: the decode kernel, then the merge if split.
+
+    Allocates the split partials (torch's caching allocator; the plan/run form of
+    ``tree_attention`` preallocates instead).
+    """
+    num_seqs, num_qo_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    dtype = str(q.dtype).removeprefix("torch.")
+    tiles = num_kv_heads * dispatch.decode_tiles_per_kv_head(num_qo_heads, num_kv_heads)
+    capacity = block_tables.shape[1] * page_size  # an upper bound on every length, no sync
+    if num_splits is None:
+        num_splits = dispatch.num_splits(num_seqs, tiles, capacity, num_sms)
+    spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config)
+    block_n = dict(spec.constexprs)["BLOCK_N"]
+    tokens_per_split = math.ceil(math.ceil(capacity / num_splits) / block_n) * block_n
+    grid = (num_seqs, tiles, num_splits)
+    scalars = (sm_scale * math.log2(math.e), num_qo_heads, num_kv_heads, page_size,
+               block_tables.shape[1], max(tokens_per_split, block_n))
+    if num_splits == 1:
+        return [Launch(spec, grid, (q, k_pool, v_pool, block_tables, seq_lens, out, None, None)
+                       + scalars)]
+    partial_out = torch.empty(num_seqs, num_qo_heads, num_splits, head_dim,
+                              dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(num_seqs, num_qo_heads, num_splits, dtype=torch.float32,
+                              device=q.device)
+    merge = Launch(dispatch.merge_spec(dtype, head_dim), (num_seqs * num_qo_heads, 1, 1),
+                   (partial_out, partial_lse, out, num_splits))
+    return [Launch(spec, grid, (q, k_pool, v_pool, block_tables, seq_lens, None,
+                                partial_out, partial_lse) + scalars), merge]
+
+
+def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_seqs, num_qo_heads, head_dim], got {tuple(q.shape)}")
+    dispatch.check_dtype(str(q.dtype).removeprefix("torch."))
+    dispatch.check_head_dim(q.shape[2])
+    num_seqs, num_qo_heads, head_dim = q.shape
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.dim() != 4 or pool.shape[3] != head_dim:
+            raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, {head_dim}]"
+                             f", got {tuple(pool.shape)}")
+        _check_like(name, pool, q.dtype, q.device)
+    if k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ")
+    if num_qo_heads % k_pool.shape[2]:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
+                         f"({k_pool.shape[2]})")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], "
+                         f"got {tuple(block_tables.shape)}")
+    _check_like("block_tables", block_tables, torch.int32, q.device)
+    if tuple(seq_lens.shape) != (num_seqs,):
+        raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+    _check_like("seq_lens", seq_lens, torch.int32, q.device)
+    _check_like("q", q, q.dtype, q.device)
+    if out is not None:
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        _check_like("out", out, q.dtype, q.device)
+
+
+def _check_like(name, t, dtype, device) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (q's device)")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_lengths_fit(block_tables, seq_lens, page_size) -> None:
+    capacity = block_tables.shape[1] * page_size
+    if seq_lens.numel() and (int(seq_lens.max()) > capacity or int(seq_lens.min()) < 0):
+        raise ValueError(f"seq_lens must lie in [0, {capacity}] (max_blocks * block_size), "
+                         f"got [{int(seq_lens.min())}, {int(seq_lens.max())}]")

@@ -1,0 +1,94 @@
+"""Runs kernel launches on a CUDA device through the C++ launcher and the AOT cubins.
+
+A :class:`Launch` is data (spec, grid, args); this module turns tensors into raw pointers and
+hands them to ``flash_reasoning._launcher`` on torch's current stream. It never imports triton
+and never compiles: a device with no matching cubins gets a clear error.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .specializations import Spec
+
+#: Pointer alignment the kernels were compiled for (``tt.divisibility`` 16 on every pointer).
+POINTER_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``args`` follow the spec's family params (tensor, int, float or None
+    for a pointer the kernel does not touch in this specialization)."""
+    spec: Spec
+    grid: tuple[int, int, int]
+    args: tuple
+
+
+def artifact_root() -> Path:
+    """The folder holding ``<arch>/manifest.json``; FLASH_REASONING_ARTIFACTS overrides."""
+    override = os.environ.get("FLASH_REASONING_ARTIFACTS")
+    return Path(override) if override else Path(__file__).resolve().parent / "_artifacts"
+
+
+def available_archs() -> list[str]:
+    root = artifact_root()
+    return sorted(p.parent.name for p in root.glob("*/manifest.json"))
+
+
+def require_cuda(device: torch.device | int | None = None) -> torch.device:
+    """The CUDA device to use; a clear error where there is none."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("flash_reasoning: no CUDA device is available "
+                           "(torch.cuda.is_available() is False). CPU tensors run the "
+                           "PyTorch path; GPU kernels need an NVIDIA GPU of sm80 or newer.")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"expected a CUDA device, got {device}")
+    return torch.device("cuda", device.index if device.index is not None
+                        else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def arch_of(device_index: int) -> str:
+    """The compiled arch that serves this device (e.g. sm86 -> sm80)."""
+    from . import _launcher
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return _launcher.select_arch(major * 10 + minor, available_archs())
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _launcher_for(device_index: int):
+    from . import _launcher
+    return _launcher.Launcher(str(artifact_root() / arch_of(device_index)), device_index)
+
+
+def run(launches: Sequence[Launch], device: torch.device) -> None:
+    """Launch each in order on the current stream of ``device``; no sync, no allocation."""
+    launcher = _launcher_for(device.index)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    for launch in launches:
+        launcher.launch(launch.spec.name, launch.grid, [_raw(a) for a in launch.args], stream)
+
+
+def _raw(arg):
+    if isinstance(arg, torch.Tensor):
+        ptr = arg.data_ptr()
+        if ptr % POINTER_ALIGN:
+            raise ValueError(f"tensor data pointer {ptr:#x} is not {POINTER_ALIGN}-byte aligned "
+                             "(a view at an odd offset?); pass a contiguous copy")
+        return ptr
+    if arg is None:
+        return 0
+    return arg

@@ -1,0 +1,109 @@
+"""Kernel names, parameter lists and specialization keys: the one place they are made.
+
+The AOT build (``aot/build.py``) compiles a :class:`Spec` under the name :attr:`Spec.name`
+with the signature :meth:`Spec.signature`; the manifest records both; dispatch builds the same
+``Spec`` for a call and launches it by name. Nothing here imports triton.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: torch dtype name -> Triton's name for it in signatures and kernel names.
+DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
+
+#: Triton appends these two pointer parameters to every compiled kernel; the launcher
+#: passes null for both (the build rejects kernels that need scratch memory).
+SCRATCH_PARAMS = (("global_scratch", "*i8"), ("profile_scratch", "*i8"))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One ``@triton.jit`` kernel: its runtime parameters (in order) and its constexprs.
+
+    A parameter type ``"*{dt}"`` is filled with the specialization's dtype.
+    """
+    name: str
+    params: tuple[tuple[str, str], ...]
+    constexprs: tuple[str, ...]
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.params)
+
+
+PAGED_DECODE = Family(
+    name="paged_decode",
+    params=(
+        ("q", "*{dt}"), ("k_pool", "*{dt}"), ("v_pool", "*{dt}"),
+        ("block_tables", "*i32"), ("seq_lens", "*i32"),
+        ("out", "*{dt}"), ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
+        ("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_heads", "i32"),
+        ("page_size", "i32"), ("max_blocks", "i32"), ("tokens_per_split", "i32"),
+    ),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT"),
+)
+
+MERGE_SPLITS = Family(
+    name="merge_splits",
+    params=(("partial_out", "*fp32"), ("partial_lse", "*fp32"), ("out", "*{dt}"),
+            ("num_splits", "i32")),
+    constexprs=("HEAD_DIM", "BLOCK_S"),
+)
+
+# K/V are copied as 16-bit words, so one kernel serves fp16 and bf16 pools.
+APPEND_KV = Family(
+    name="append_kv",
+    params=(("k_pool", "*i16"), ("v_pool", "*i16"), ("slots", "*i64"),
+            ("k_new", "*i16"), ("v_new", "*i16"), ("row_elems", "i32")),
+    constexprs=("BLOCK",),
+)
+
+FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV)}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A compiled specialization: family + dtype + constexpr values + launch config."""
+    family: str
+    dtype: str | None          # "float16" | "bfloat16" | None (dtype-free kernels)
+    constexprs: tuple[tuple[str, int], ...]
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        parts = [self.family]
+        if self.dtype is not None:
+            parts.append(DTYPES[self.dtype])
+        parts += [f"{k.lower()}{v}" for k, v in self.constexprs]
+        parts += [f"w{self.num_warps}", f"s{self.num_stages}"]
+        return "_".join(parts)
+
+    @property
+    def key(self) -> dict:
+        """What the manifest records and dispatch matches on."""
+        return {"dtype": self.dtype, **dict(self.constexprs),
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def signature(self) -> dict[str, str]:
+        """Triton signature: runtime params with types, then constexprs."""
+        family = FAMILIES[self.family]
+        dt = DTYPES.get(self.dtype, "")
+        sig = {name: typ.format(dt=dt) for name, typ in family.params}
+        sig.update({name: "constexpr" for name in family.constexprs})
+        return sig
+
+
+def make_spec(family: Family, dtype: str | None, num_warps: int, num_stages: int,
+              **constexprs: int) -> Spec:
+    """Build a Spec, checking that exactly the family's constexprs are given."""
+    if set(constexprs) != set(family.constexprs):
+        raise ValueError(f"{family.name} takes constexprs {family.constexprs}, "
+                         f"got {tuple(constexprs)}")
+    typed = any("{dt}" in typ for _, typ in family.params)
+    if typed and dtype not in DTYPES:
+        raise ValueError(f"{family.name}: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    if not typed and dtype is not None:
+        raise ValueError(f"{family.name} has no dtype; got {dtype!r}")
+    ordered = tuple((k, int(constexprs[k])) for k in family.constexprs)
+    return Spec(family.name, dtype, ordered, num_warps, num_stages)

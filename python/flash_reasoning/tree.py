@@ -1,0 +1,322 @@
+"""Tree shapes: the segment tree of live branches, and tree specs (FastTree files, level lists).
+
+``SegmentTree`` is what the attention planner works on: a node is a maximal token range
+``[start, end)`` read from the same physical KV slots by the same set of branches, so its KV
+can be read once for all of them. The allocator derives it (``segment_tree``) from block
+tables, lengths and fork history; this module turns per-position keys into the tree.
+
+``TreeSpec`` is a *requested* shape (FastTree's ``parent id seqlen num_children`` files, or
+the level lists of ``bench/cases.json``); ``build_branches`` creates it in an allocator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from .allocator import PhysicalKVAllocator
+
+
+@dataclass(frozen=True)
+class SegmentTree:
+    """Shared segments of a set of branches (row ``i`` = ``branch_ids[i]``).
+
+    Nodes are numbered in DFS pre-order (a parent before its children). Node ``v`` covers
+    tokens ``[node_start[v], node_end[v])``; its parent (``-1`` for a root: branches with no
+    common prefix form a forest) ends where it starts. The rows below ``v`` are
+    ``order[node_lo[v]:node_hi[v]]`` (contiguous, because ``order`` is a DFS order of the rows).
+    Row ``i``'s path runs from a root to ``end_node[i]`` (the node ending at its length; ``-1``
+    for an empty branch): ``path_nodes[path_ptr[i]:path_ptr[i + 1]]``. A branch may end at an
+    inner node (another branch extends it).
+    """
+    branch_ids: np.ndarray
+    lengths: np.ndarray
+    node_start: np.ndarray
+    node_end: np.ndarray
+    node_parent: np.ndarray
+    node_lo: np.ndarray
+    node_hi: np.ndarray
+    order: np.ndarray
+    end_node: np.ndarray
+    path_ptr: np.ndarray
+    path_nodes: np.ndarray
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.node_start.size)
+
+    @property
+    def node_len(self) -> np.ndarray:
+        return self.node_end - self.node_start
+
+    @property
+    def unique_tokens(self) -> int:
+        """Tokens read once per step when every node is read once."""
+        return int(self.node_len.sum())
+
+    @property
+    def logical_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def rows_below(self, node: int) -> np.ndarray:
+        """Rows (indices into ``branch_ids``) whose path contains ``node``."""
+        return self.order[self.node_lo[node]:self.node_hi[node]]
+
+    def path(self, row: int) -> np.ndarray:
+        return self.path_nodes[self.path_ptr[row]:self.path_ptr[row + 1]]
+
+    @classmethod
+    def from_keys(cls, branch_ids: np.ndarray, lengths: np.ndarray, breaks: np.ndarray,
+                  keys: np.ndarray) -> "SegmentTree":
+        """The tree of rows whose token ``t`` is identified by ``keys[row, c]`` for
+        ``breaks[c] <= t < breaks[c + 1]`` (``-1`` at and beyond the row's length).
+
+        ``breaks`` must hold 0 and every row length, so that two rows share exactly the tokens
+        before the first breakpoint where their keys differ (a trie over the rows).
+        """
+        n = branch_ids.size
+        order = np.lexsort(keys.T[::-1]) if n else np.zeros(0, np.int64)
+        lcp = _adjacent_lcp(keys[order], breaks, lengths[order])
+        nodes = _TrieBuilder()
+        end_node = np.full(n, -1, np.int64)
+        for i in range(n):
+            end_node[order[i]] = nodes.add_row(i, int(lengths[order[i]]),
+                                               int(lcp[i - 1]) if i else 0)
+        return nodes.finish(branch_ids, lengths, order, end_node)
+
+
+def _adjacent_lcp(sorted_keys: np.ndarray, breaks: np.ndarray,
+                  sorted_lengths: np.ndarray) -> np.ndarray:
+    """Tokens shared by each pair of neighbours in sorted order."""
+    if sorted_keys.shape[0] < 2:
+        return np.zeros(0, np.int64)
+    diff = sorted_keys[1:] != sorted_keys[:-1]
+    # Identical key rows have identical lengths (lengths are breakpoints): all is shared.
+    return np.where(diff.any(axis=1), breaks[diff.argmax(axis=1)], sorted_lengths[1:])
+
+
+class _TrieBuilder:
+    """Builds the compacted trie from rows in sorted order and their neighbours' LCP."""
+
+    def __init__(self) -> None:
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.parent: list[int] = []
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+        self.stack: list[int] = []  # the path of the previous row
+
+    def _new(self, start: int, end: int, lo: int) -> int:
+        self.start.append(start)
+        self.end.append(end)
+        self.parent.append(self.stack[-1] if self.stack else -1)
+        self.lo.append(lo)
+        self.hi.append(-1)
+        self.stack.append(len(self.start) - 1)
+        return self.stack[-1]
+
+    def add_row(self, i: int, length: int, shared: int) -> int:
+        """Add sorted row ``i`` sharing ``shared`` tokens with row ``i - 1``; its end node."""
+        popped = -1
+        while self.stack and self.end[self.stack[-1]] > shared:
+            popped = self.stack.pop()
+            self.hi[popped] = i
+        top_end = self.end[self.stack[-1]] if self.stack else 0
+        if top_end < shared:
+            # Row i branches off inside `popped`: split it, its head is on row i's path.
+            head = self._new(top_end, shared, self.lo[popped])
+            self.start[popped], self.parent[popped] = shared, head
+        if length > shared:
+            self._new(shared, length, i)
+        return self.stack[-1] if self.stack else -1
+
+    def finish(self, branch_ids, lengths, order, end_node) -> SegmentTree:
+        for v in self.stack:
+            self.hi[v] = len(order)
+        start, end, lo = (np.asarray(a, np.int64) for a in (self.start, self.end, self.lo))
+        # Renumber in DFS pre-order: an ancestor has a smaller lo, or the same lo and start.
+        perm = np.lexsort((start, lo))
+        new_id = np.empty(perm.size + 1, np.int64)
+        new_id[perm] = np.arange(perm.size)
+        new_id[-1] = -1  # maps parent -1 (index -1) to -1
+        parent = new_id[np.asarray(self.parent, np.int64)[perm]]
+        end_node = new_id[end_node]
+        path_ptr, path_nodes = _paths(parent, end_node)
+        return SegmentTree(np.asarray(branch_ids, np.int64), np.asarray(lengths, np.int64),
+                           start[perm], end[perm], parent, lo[perm],
+                           np.asarray(self.hi, np.int64)[perm], np.asarray(order, np.int64),
+                           end_node, path_ptr, path_nodes)
+
+
+def _paths(parent: np.ndarray, end_node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    paths = []
+    for v in end_node.tolist():
+        path = []
+        while v >= 0:
+            path.append(v)
+            v = int(parent[v])
+        paths.append(path[::-1])
+    ptr = np.zeros(len(paths) + 1, np.int64)
+    ptr[1:] = np.cumsum([len(p) for p in paths])
+    flat = np.asarray([v for p in paths for v in p], np.int64)
+    return ptr, flat
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A tree shape: node ``i`` holds ``seqlen[i]`` tokens after its parent's (``parent[i]``,
+    ``-1`` for a root). Every leaf is one branch (root-to-leaf tokens)."""
+    parent: np.ndarray
+    seqlen: np.ndarray
+
+    def __post_init__(self) -> None:
+        parent, seqlen = np.asarray(self.parent, np.int64), np.asarray(self.seqlen, np.int64)
+        if parent.ndim != 1 or parent.shape != seqlen.shape:
+            raise ValueError(f"parent and seqlen must be 1-D of one length, got shapes "
+                             f"{parent.shape} and {seqlen.shape}")
+        if parent.size and (parent.min() < -1 or parent.max() >= parent.size):
+            raise ValueError(f"parent ids must lie in [-1, {parent.size - 1}], got "
+                             f"[{parent.min()}, {parent.max()}]")
+        if (seqlen < 0).any():
+            raise ValueError(f"seqlen must be >= 0, got {int(seqlen.min())}")
+        object.__setattr__(self, "parent", parent)
+        object.__setattr__(self, "seqlen", seqlen)
+        if self.topological_order().size != parent.size:
+            raise ValueError("parent links form a cycle: not a tree")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parent.size)
+
+    def topological_order(self) -> np.ndarray:
+        """Node indices, each after its parent (breadth first from the roots)."""
+        children = self.children()
+        order = [v for v in range(self.num_nodes) if self.parent[v] < 0]
+        for v in order:  # grows while iterating: a BFS
+            order.extend(children[v])
+        return np.asarray(order, np.int64)
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for v, p in enumerate(self.parent.tolist()):
+            if p >= 0:
+                kids[p].append(v)
+        return kids
+
+    def node_start(self) -> np.ndarray:
+        """Token position where each node starts (the tokens of its ancestors)."""
+        start = np.zeros(self.num_nodes, np.int64)
+        for v in self.topological_order().tolist():
+            p = self.parent[v]
+            if p >= 0:
+                start[v] = start[p] + self.seqlen[p]
+        return start
+
+    def leaves(self) -> np.ndarray:
+        has_child = np.zeros(self.num_nodes, bool)
+        has_child[self.parent[self.parent >= 0]] = True
+        return np.flatnonzero(~has_child)
+
+    @property
+    def unique_tokens(self) -> int:
+        return int(self.seqlen.sum())
+
+    @property
+    def logical_tokens(self) -> int:
+        leaves = self.leaves()
+        return int((self.node_start()[leaves] + self.seqlen[leaves]).sum())
+
+
+def load_fasttree(path: str | Path) -> TreeSpec:
+    """Read a FastTree tree file: an optional first line with the node count, then one
+    ``parent id seqlen num_children`` line per node (``parent`` -1 for the root; ids
+    0..n-1). ``num_children`` is checked against the parent links."""
+    lines = [ln.split() for ln in Path(path).read_text().splitlines() if ln.strip()]
+    declared = int(lines.pop(0)[0]) if lines and len(lines[0]) == 1 else None
+    rows = [_parse_node_line(path, i, fields) for i, fields in enumerate(lines)]
+    n = len(rows)
+    if declared is not None and declared != n:
+        raise ValueError(f"{path}: header says {declared} nodes, the file lists {n}")
+    ids = sorted(r[1] for r in rows)
+    if ids != list(range(n)):
+        raise ValueError(f"{path}: node ids must be 0..{n - 1}, each once; got {ids}")
+    parent, seqlen, declared_kids = (np.zeros(n, np.int64) for _ in range(3))
+    for p, node, length, kids in rows:
+        parent[node], seqlen[node], declared_kids[node] = p, length, kids
+    spec = TreeSpec(parent, seqlen)
+    actual = np.asarray([len(k) for k in spec.children()], np.int64)
+    bad = np.flatnonzero(actual != declared_kids)
+    if bad.size:
+        v = int(bad[0])
+        raise ValueError(f"{path}: node {v} declares {declared_kids[v]} children, "
+                         f"{actual[v]} nodes name it as parent")
+    return spec
+
+
+def _parse_node_line(path, index: int, fields: list[str]) -> tuple[int, int, int, int]:
+    if len(fields) != 4:
+        raise ValueError(f"{path}: node line {index + 1} must be 'parent id seqlen "
+                         f"num_children', got {' '.join(fields)!r}")
+    try:
+        p, node, length, kids = (int(f) for f in fields)
+    except ValueError as err:
+        raise ValueError(f"{path}: node line {index + 1} holds a non-integer: {fields}") from err
+    return p, node, length, kids
+
+
+def from_levels(nodes_per_level: Sequence[int], tokens_per_level: Sequence[int]) -> TreeSpec:
+    """The benchmark trees: level ``i`` has ``nodes_per_level[i]`` nodes of
+    ``tokens_per_level[i]`` tokens; node ``j`` of level ``i`` has parent
+    ``(j * n_prev) // n_i`` of level ``i - 1``. Nodes are numbered level by level."""
+    if len(nodes_per_level) != len(tokens_per_level) or not nodes_per_level:
+        raise ValueError(f"nodes_per_level and tokens_per_level must be non-empty and of one "
+                         f"length, got {list(nodes_per_level)} and {list(tokens_per_level)}")
+    if min(nodes_per_level) < 1:
+        raise ValueError(f"nodes_per_level must be >= 1 each, got {list(nodes_per_level)}")
+    parents, seqlen, offset = [], [], 0
+    for level, (n, tokens) in enumerate(zip(nodes_per_level, tokens_per_level)):
+        prev = nodes_per_level[level - 1] if level else 0
+        first_prev = offset - prev
+        parents += [first_prev + (j * prev) // n if level else -1 for j in range(n)]
+        seqlen += [tokens] * n
+        offset += n
+    return TreeSpec(np.asarray(parents, np.int64), np.asarray(seqlen, np.int64))
+
+
+#: ``fill(node, layer, num_tokens) -> (k, v)``, each ``[num_tokens, num_kv_heads, head_dim]``.
+Fill = Callable[[int, int, int], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def build_branches(allocator: "PhysicalKVAllocator", spec: TreeSpec,
+                   fill: Fill | None = None) -> list[int]:
+    """Create ``spec``'s branches in ``allocator``; returns the leaf branch ids (leaves in
+    node order).
+
+    Each node gets a branch ending at the node's last token, forked from its parent node's
+    branch at the node's start; ``fill`` (optional) writes the node's own tokens in every
+    layer before its children fork, so they share it. The branches of inner nodes are freed
+    at the end: the leaves keep the shared blocks, their ``parent_id`` names dead branches.
+    Unwritten tokens read zero (the allocator's zero block); no data block is used then.
+    """
+    start = spec.node_start()
+    branch_of: dict[int, int] = {}
+    for v in spec.topological_order().tolist():
+        p, end = int(spec.parent[v]), int(start[v] + spec.seqlen[v])
+        if p < 0:
+            branch = allocator.alloc_branch(end)
+        else:
+            branch = allocator.alloc_branch(end, parent_branch_id=branch_of[p],
+                                            fork_position=int(start[v]))
+        branch_of[v] = branch.branch_id
+        for layer in range(allocator.num_layers if fill is not None else 0):
+            k, val = fill(v, layer, int(spec.seqlen[v]))
+            allocator.write(branch.branch_id, layer, k, val, start=int(start[v]))
+    leaves = spec.leaves()
+    for v in sorted(set(branch_of) - set(leaves.tolist())):
+        allocator.free_branch(branch_of[v])
+    return [branch_of[v] for v in leaves.tolist()]

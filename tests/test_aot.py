@@ -1,0 +1,84 @@
+"""The AOT artifacts: the installed manifests and cubins, and the build itself."""
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flash_reasoning import dispatch, runtime
+from flash_reasoning.specializations import SCRATCH_PARAMS
+
+ARCHS = ("sm80", "sm89", "sm90")
+EM_CUDA = 190
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _manifest(arch):
+    path = runtime.artifact_root() / arch / "manifest.json"
+    assert path.exists(), f"no manifest for {arch} at {path}: was the package built?"
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_manifest_lists_valid_cubins(arch):
+    manifest = _manifest(arch)
+    assert manifest["arch"] == arch and manifest["triton_version"] == "3.6.0"
+    assert manifest["ptxas_version"] != "unknown"
+    for kernel in manifest["kernels"]:
+        cubin = (runtime.artifact_root() / arch / kernel["cubin"]).read_bytes()
+        assert hashlib.sha256(cubin).hexdigest() == kernel["sha256"], kernel["name"]
+        e_machine, = struct.unpack_from("<H", cubin, 18)
+        e_flags, = struct.unpack_from("<I", cubin, 48)
+        assert cubin[:4] == b"\x7fELF" and e_machine == EM_CUDA, kernel["name"]
+        assert e_flags & 0xFF == int(arch[2:]), f"{kernel['name']} is not an {arch} cubin"
+        assert [tuple(p.values()) for p in kernel["params"][-2:]] == list(SCRATCH_PARAMS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_spec_dispatch_can_ask_for_is_compiled(arch):
+    kernels = {k["name"]: k for k in _manifest(arch)["kernels"]}
+    for spec in dispatch.required_specs(arch):
+        assert spec.name in kernels, f"{spec.name} missing from {arch}"
+        compiled = kernels[spec.name]
+        declared = {n: t for n, t in spec.signature().items() if t != "constexpr"}
+        assert {p["name"]: p["type"] for p in compiled["params"][:-2]} == declared
+        assert compiled["key"] == spec.key
+
+
+def _build(out, cache):
+    """The build compiles real cubins, so it runs outside this interpreter-mode process."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-m", "aot.build", "--out", str(out), "--archs",
+                             "sm80", "--cache", str(cache), "--jobs", "2"], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_build_is_incremental(tmp_path):
+    first = _build(tmp_path / "a", tmp_path / "cache")
+    count = len(dispatch.required_specs("sm80"))
+    assert f"compiled {count}, reused 0" in first
+    assert f"compiled 0, reused {count}" in _build(tmp_path / "b", tmp_path / "cache")
+    assert (tmp_path / "a/sm80/manifest.json").read_text() == \
+        (tmp_path / "b/sm80/manifest.json").read_text()
+
+
+def test_build_narrows_archs_from_environment(monkeypatch):
+    from aot import build
+    monkeypatch.setenv("FLASH_REASONING_ARCHS", "sm90")
+    assert build.archs_from_env() == ["sm90"]
+    monkeypatch.setenv("FLASH_REASONING_ARCHS", "sm75")
+    with pytest.raises(SystemExit, match="sm75"):
+        build.archs_from_env()
+
+
+def test_spec_names_are_unique_and_keys_complete():
+    from aot import grid
+    for arch in ARCHS:
+        specs = grid.specs_for(arch, wide=True)
+        assert len({s.name for s in specs}) == len(specs)

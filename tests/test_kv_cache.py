@@ -1,0 +1,92 @@
+import pytest
+import torch
+
+from conftest import gpu
+from flash_reasoning import kv_cache
+
+
+def _pools(dtype, device="cpu", num_blocks=6, block_size=4, heads=2, dim=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, heads, dim)
+    return (torch.randn(shape, generator=gen).to(dtype).to(device),
+            torch.randn(shape, generator=gen).to(dtype).to(device))
+
+
+def _new_rows(n, dtype, device="cpu", heads=2, dim=64, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, heads, dim, generator=gen).to(dtype).to(device),
+            torch.randn(n, heads, dim, generator=gen).to(dtype).to(device))
+
+
+def _expected(k_pool, v_pool, slots, k, v):
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    flat = slots.long().cpu()
+    k_ref.view(-1, *k.shape[1:])[flat] = k.cpu()
+    v_ref.view(-1, *v.shape[1:])[flat] = v.cpu()
+    return k_ref, v_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_append_kernel_interpreted(dtype):
+    from aot.interpret import run_interpreted
+    k_pool, v_pool = _pools(dtype)
+    slots = torch.tensor([5, 0, 23, 12], dtype=torch.int64)
+    k, v = _new_rows(len(slots), dtype)
+    k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
+    run_interpreted([kv_cache.append_launch(k_pool, v_pool, slots, k, v)])
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
+def test_append_kernel_interpreted_rows_wider_than_a_program():
+    """num_kv_heads * head_dim > APPEND_BLOCK: each row spans several programs."""
+    from aot.interpret import run_interpreted
+    k_pool, v_pool = _pools(torch.float16, heads=8, dim=256, num_blocks=2, block_size=2)
+    slots = torch.tensor([3, 1], dtype=torch.int64)
+    k, v = _new_rows(2, torch.float16, heads=8, dim=256)
+    k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
+    run_interpreted([kv_cache.append_launch(k_pool, v_pool, slots, k, v)])
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
+def test_write_slots_cpu_path():
+    k_pool, v_pool = _pools(torch.float16)
+    slots = torch.tensor([7, 2])
+    k, v = _new_rows(2, torch.float16)
+    k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
+    kv_cache.write_slots(k_pool, v_pool, slots, k, v)
+    assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
+
+
+@pytest.mark.parametrize("change,error", [
+    (dict(k=lambda k: k[:, :1]), ValueError), (dict(v=lambda v: v.float()), TypeError),
+    (dict(k=lambda k: k[:1]), ValueError)])
+def test_write_slots_rejects_bad_rows_and_changes_nothing(change, error):
+    k_pool, v_pool = _pools(torch.float16)
+    before = k_pool.clone(), v_pool.clone()
+    k, v = _new_rows(2, torch.float16)
+    k = change.get("k", lambda t: t)(k)
+    v = change.get("v", lambda t: t)(v)
+    with pytest.raises(error):
+        kv_cache.write_slots(k_pool, v_pool, torch.tensor([1, 2]), k, v)
+    assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
+
+
+def test_copy_blocks_copies_every_pool():
+    pools = list(_pools(torch.float16))
+    before = [p.clone() for p in pools]
+    kv_cache.copy_blocks(pools, torch.tensor([0, 3]), torch.tensor([5, 1]))
+    for pool, old in zip(pools, before):
+        assert torch.equal(pool[5], old[0]) and torch.equal(pool[1], old[3])
+        assert torch.equal(pool[2], old[2])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_append_kernel_gpu_matches_cpu_path(dtype):
+    k_pool, v_pool = _pools(dtype, num_blocks=64, block_size=16, heads=8, dim=128)
+    slots = torch.randperm(64 * 16)[:300]
+    k, v = _new_rows(300, dtype, heads=8, dim=128)
+    k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
+    gpu_pools = k_pool.cuda(), v_pool.cuda()
+    kv_cache.write_slots(*gpu_pools, slots.cuda(), k.cuda(), v.cuda())
+    assert torch.equal(gpu_pools[0].cpu(), k_ref) and torch.equal(gpu_pools[1].cpu(), v_ref)

@@ -1,0 +1,327 @@
+"""Tests of the C++ kernel launcher (flash_reasoning._launcher), runnable without a GPU.
+
+libcuda is loaded at most once per process, so every test that touches the driver runs in a
+fresh interpreter (`isolated`), with FLASH_REASONING_LIBCUDA pointing at a missing file, at a
+library without the driver API, or at a fake driver compiled from FAKE_LIBCUDA below.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flash_reasoning import _launcher
+from flash_reasoning._launcher import Launcher, LauncherError
+
+NAME = "paged_decode_fp16_d128_m16_n64_split0_w4_s2"
+CUBIN = b"CUBIN: stands in for a real cubin"
+PARAMS = [("q", "*fp16"), ("num_kv_heads", "i32"), ("sm_scale", "fp32")]
+SCRATCH = [("global_scratch", "*i8"), ("profile_scratch", "*i8")]
+
+
+def kernel_entry(name=NAME, data=CUBIN, sha=None, **overrides):
+    entry = {
+        "name": name, "kernel": "paged_decode", "entry": "paged_decode", "cubin": name + ".cubin",
+        "sha256": sha or hashlib.sha256(data).hexdigest(), "key": {"dtype": "float16", "HEAD_DIM": 128},
+        "params": [{"name": n, "type": t} for n, t in PARAMS + SCRATCH],
+        "num_warps": 4, "num_stages": 2, "shared": 65536, "source_hash": "x",
+    }
+    entry.update(overrides)
+    return entry
+
+
+def write_arch(root, kernels=None, arch="sm90", cubins=None, **top):
+    """An arch folder: manifest.json plus one cubin file per kernel (bytes from `cubins`)."""
+    folder = root / arch
+    folder.mkdir(parents=True, exist_ok=True)
+    kernels = kernels if kernels is not None else [kernel_entry()]
+    for k in kernels:
+        if "cubin" in k:
+            (folder / k["cubin"]).write_bytes((cubins or {}).get(k.get("name"), CUBIN))
+    manifest = {"format": 1, "arch": arch, "triton_version": "3.6.0", "ptxas_version": "12.8",
+                "package_version": "0.1.0", "kernels": kernels, **top}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def raises(fn, *fragments):
+    with pytest.raises(LauncherError) as info:
+        fn()
+    for f in fragments:
+        assert f in str(info.value), f"{f!r} not in {str(info.value)!r}"
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value.code, int) and info.value.code > 0
+    return info.value
+
+
+PRELUDE = """
+import ctypes, json, os
+from flash_reasoning import _launcher as L
+def attempt(fn):
+    try:
+        return {"ok": fn()}
+    except L.LauncherError as e:
+        return {"error": str(e), "code": e.code}
+out = {}
+"""
+
+
+def isolated(body, libcuda):
+    """Runs `body` (which fills the dict `out`) in a fresh interpreter; returns `out`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FLASH_REASONING_LIBCUDA": str(libcuda)}
+    script = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- select_arch
+
+@pytest.mark.parametrize("cc, available, expected", [
+    (80, ["sm80", "sm89", "sm90"], "sm80"),
+    (86, ["sm80", "sm89", "sm90"], "sm80"),
+    (89, ["sm80", "sm89", "sm90"], "sm89"),
+    (89, ["sm90", "sm80"], "sm80"),
+    (87, ["sm89", "sm86", "sm80"], "sm86"),
+    (90, ["sm80", "sm89", "sm90"], "sm90"),
+])
+def test_select_arch(cc, available, expected):
+    assert _launcher.select_arch(cc, available) == expected
+
+
+@pytest.mark.parametrize("cc, available, device", [
+    (75, ["sm80", "sm89", "sm90"], "sm75"),
+    (100, ["sm80", "sm89", "sm90"], "sm100"),
+    (120, ["sm90"], "sm120"),
+    (86, [], "sm86"),
+    (86, ["sm89", "sm90"], "sm86"),
+    (90, ["sm80", "sm89"], "sm90"),
+])
+def test_select_arch_no_match(cc, available, device):
+    err = raises(lambda: _launcher.select_arch(cc, available), device, *available)
+    assert err.code == 7
+
+
+# ---------------------------------------------------------------- manifest
+
+def test_manifest_contents(tmp_path):
+    folder = write_arch(tmp_path, [kernel_entry(), kernel_entry("other")])
+    for arch_dir in (folder, str(folder)):
+        launcher = Launcher(arch_dir, 0)
+        assert launcher.arch == "sm90"
+        assert launcher.kernel_names() == [NAME, "other"]
+        assert launcher.params(NAME) == PARAMS
+
+
+def test_missing_folder(tmp_path):
+    raises(lambda: Launcher(tmp_path / "sm90", 0), str(tmp_path / "sm90" / "manifest.json"), "not found")
+
+
+def test_invalid_json(tmp_path):
+    folder = write_arch(tmp_path)
+    (folder / "manifest.json").write_text('{"format": 1, "kernels": [}')
+    raises(lambda: Launcher(folder, 0), "invalid JSON", "manifest.json")
+
+
+@pytest.mark.parametrize("field", ["name", "entry", "cubin", "sha256", "params", "num_warps", "shared"])
+def test_kernel_missing_field(tmp_path, field):
+    entry = kernel_entry()
+    del entry[field]
+    folder = write_arch(tmp_path, [entry])
+    raises(lambda: Launcher(folder, 0), f"kernels[0].{field}", "missing")
+
+
+@pytest.mark.parametrize("field", ["format", "arch", "kernels"])
+def test_top_level_missing_field(tmp_path, field):
+    folder = write_arch(tmp_path)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest[field]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    raises(lambda: Launcher(folder, 0), f"'{field}'", "missing")
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({"params": [{"name": "n", "type": "i33"}] + [{"name": n, "type": t} for n, t in SCRATCH]},
+     ["kernels[0].params[0].type", "i33"]),
+    ({"params": [{"name": "q", "type": "*fp16"}, {"name": "x", "type": "i32"}]}, ["scratch"]),
+    ({"num_warps": 0}, ["kernels[0].num_warps"]),
+    ({"shared": 1.5}, ["kernels[0].shared"]),
+    ({"sha256": "abc"}, ["kernels[0].sha256"]),
+    ({"cubin": "../escape.cubin"}, ["kernels[0].cubin"]),
+])
+def test_kernel_bad_field(tmp_path, overrides, fragments):
+    entry = kernel_entry(**overrides)
+    folder = tmp_path / "sm90"
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps({"format": 1, "arch": "sm90", "kernels": [entry]}))
+    raises(lambda: Launcher(folder, 0), *fragments)
+
+
+def test_duplicate_kernel_name(tmp_path):
+    raises(lambda: Launcher(write_arch(tmp_path, [kernel_entry(), kernel_entry()]), 0), "kernels[1].name", NAME)
+
+
+# ---------------------------------------------------------------- launch argument checks (no driver reached)
+
+@pytest.fixture
+def launcher(tmp_path):
+    return Launcher(write_arch(tmp_path), 0)
+
+
+def test_unknown_kernel(launcher):
+    err = raises(lambda: launcher.launch("nope", (1, 1, 1), [0, 1, 1.0], 0), "unknown kernel 'nope'", "sm90", NAME)
+    assert err.code == 2
+    raises(lambda: launcher.params("nope"), "unknown kernel 'nope'")
+
+
+def test_wrong_arg_count(launcher):
+    raises(lambda: launcher.launch(NAME, (1, 1, 1), [0, 1], 0), "takes 3 arguments, got 2")
+
+
+@pytest.mark.parametrize("args, fragments", [
+    ([0, 2**40, 1.0], ["'num_kv_heads'", "i32", str(2**40)]),
+    ([0, -2**31 - 1, 1.0], ["'num_kv_heads'"]),
+    ([0, 2**70, 1.0], ["'num_kv_heads'", "beyond 64 bits"]),
+    ([0, 1.5, 1.0], ["'num_kv_heads'"]),
+    ([-8, 1, 1.0], ["'q'", "*fp16"]),
+    ([0.0, 1, 1.0], ["'q'"]),
+    (["0", 1, 1.0], ["'q'", "not a number"]),
+    ([0, 1, 1e300], ["'sm_scale'", "fp32"]),
+])
+def test_bad_argument(launcher, args, fragments):
+    raises(lambda: launcher.launch(NAME, (1, 1, 1), args, 0), *fragments)
+
+
+@pytest.mark.parametrize("grid", [(-1, 1, 1), (1, -2, 1), (1, 1, 70000)])
+def test_bad_grid(launcher, grid):
+    raises(lambda: launcher.launch(NAME, grid, [0, 1, 1.0], 0), "grid dimension")
+
+
+# ---------------------------------------------------------------- driver loading (fresh interpreter each)
+
+def test_missing_libcuda(tmp_path):
+    folder = write_arch(tmp_path)
+    out = isolated(f"""
+        launcher = L.Launcher({str(folder)!r}, 0)
+        out["empty"] = attempt(lambda: launcher.launch({NAME!r}, (0, 4, 1), [0, 1, 1.0], 0))
+        out["launch"] = attempt(lambda: launcher.launch({NAME!r}, (4, 1, 1), [0, 1, 1.0], 0))
+        out["again"] = attempt(lambda: launcher.launch({NAME!r}, (4, 1, 1), [0, 1, 1.0], 0))
+        out["cc"] = attempt(lambda: L.device_compute_capability(0))
+    """, libcuda=tmp_path / "no" / "libcuda.so.1")
+    assert out["empty"] == {"ok": None}  # a grid with a zero dimension is empty work
+    for key in ("launch", "again", "cc"):
+        assert "could not load libcuda" in out[key]["error"], out[key]
+        assert "NVIDIA driver" in out[key]["error"] and out[key]["code"] == 5
+
+
+def test_library_without_driver_api(tmp_path):
+    out = isolated('out["cc"] = attempt(lambda: L.device_compute_capability(0))', libcuda="libm.so.6")
+    assert "no symbol cuInit" in out["cc"]["error"]
+
+
+# A stand-in for libcuda: records what the launcher passes to the driver.
+FAKE_LIBCUDA = r"""
+#include <string.h>
+static int ctx_obj, mod_obj, fn_obj;
+static void* current;
+int fake_loads, fake_launches, fake_smem = -1;
+unsigned fake_dims[7];
+unsigned char fake_params[32];
+static const char* names(int rc) {
+  return rc == 101 ? "CUDA_ERROR_INVALID_DEVICE" : rc == 209 ? "CUDA_ERROR_NO_BINARY_FOR_GPU"
+       : rc == 500 ? "CUDA_ERROR_NOT_FOUND" : "CUDA_ERROR_UNKNOWN";
+}
+int cuInit(unsigned f) { return 0; }
+int cuGetErrorName(int rc, const char** s) { *s = names(rc); return 0; }
+int cuGetErrorString(int rc, const char** s) { *s = "fake driver"; return 0; }
+int cuDeviceGet(int* d, int ordinal) { *d = ordinal; return ordinal == 0 ? 0 : 101; }
+int cuDeviceGetAttribute(int* v, int attr, int d) { *v = attr == 75 ? 9 : 0; return 0; }
+int cuDevicePrimaryCtxRetain(void** c, int d) { *c = &ctx_obj; return 0; }
+int cuCtxGetCurrent(void** c) { *c = current; return 0; }
+int cuCtxSetCurrent(void* c) { current = c; return 0; }
+int cuModuleLoadData(void** m, const void* image) {
+  if (memcmp(image, "CUBIN", 5) != 0) return 209;
+  fake_loads++; *m = &mod_obj; return 0;
+}
+int cuModuleUnload(void* m) { return 0; }
+int cuModuleGetFunction(void** f, void* m, const char* name) {
+  if (strcmp(name, "paged_decode") != 0) return 500;
+  *f = &fn_obj; return 0;
+}
+int cuFuncSetAttribute(void* f, int attr, int v) { if (attr == 8) fake_smem = v; return 0; }
+int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                   unsigned shared, void* stream, void** params, void** extra) {
+  unsigned dims[7] = {gx, gy, gz, bx, by, bz, shared};
+  memcpy(fake_dims, dims, sizeof dims);
+  memcpy(fake_params, params[0], 8); memcpy(fake_params + 8, params[1], 4);
+  memcpy(fake_params + 12, params[2], 4); memcpy(fake_params + 16, params[3], 8);
+  memcpy(fake_params + 24, params[4], 8);
+  fake_launches++; return 0;
+}
+"""
+
+
+@pytest.fixture
+def fake_libcuda(tmp_path):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        pytest.skip("no C compiler to build the fake libcuda")
+    (tmp_path / "fake.c").write_text(FAKE_LIBCUDA)
+    lib = tmp_path / "libcuda_fake.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "fake.c")], check=True)
+    return lib
+
+
+def test_fake_driver_launch(tmp_path, fake_libcuda):
+    folder = write_arch(tmp_path)
+    out = isolated(f"""
+        fake = ctypes.CDLL({str(fake_libcuda)!r})
+        launcher = L.Launcher({str(folder)!r}, 0)
+        out["cc"] = attempt(lambda: L.device_compute_capability(0))
+        out["bad_device"] = attempt(lambda: L.device_compute_capability(3))
+        for _ in range(2):
+            out["launch"] = attempt(lambda: launcher.launch({NAME!r}, (5, 6, 7), [0x1234, -7, 0.5], 99))
+        out["dims"] = list((ctypes.c_uint * 7).in_dll(fake, "fake_dims"))
+        out["params"] = bytes((ctypes.c_ubyte * 32).in_dll(fake, "fake_params")).hex()
+        out["counts"] = [ctypes.c_int.in_dll(fake, n).value for n in ("fake_loads", "fake_launches", "fake_smem")]
+    """, libcuda=fake_libcuda)
+    assert out["cc"] == {"ok": 90}
+    assert "cuDeviceGet(3)" in out["bad_device"]["error"] and "CUDA_ERROR_INVALID_DEVICE" in out["bad_device"]["error"]
+    assert out["launch"] == {"ok": None}
+    assert out["dims"] == [5, 6, 7, 128, 1, 1, 65536]
+    expected = (0x1234).to_bytes(8, "little") + (-7).to_bytes(4, "little", signed=True)
+    expected += bytes.fromhex("0000003f") + bytes(16)  # 0.5f, then the two null scratch pointers
+    assert out["params"] == expected.hex()
+    assert out["counts"] == [1, 2, 65536]  # loaded once, launched twice, large smem opted in
+
+
+def test_fake_driver_load_errors(tmp_path, fake_libcuda):
+    elf = b"ELF not for this GPU"  # right sha256, but the fake driver rejects it like a wrong-arch cubin
+    kernels = [kernel_entry("corrupt", sha="0" * 64), kernel_entry("missing"), kernel_entry("nobinary", data=elf),
+               kernel_entry("noentry", entry="other")]
+    folder = write_arch(tmp_path, kernels, cubins={"nobinary": elf})
+    (folder / "missing.cubin").unlink()
+    out = isolated(f"""
+        launcher = L.Launcher({str(folder)!r}, 0)
+        for name in ("corrupt", "missing", "nobinary", "noentry"):
+            out[name] = attempt(lambda: launcher.launch(name, (1, 1, 1), [0, 1, 1.0], 0))
+    """, libcuda=fake_libcuda)
+    assert "corrupted artifact" in out["corrupt"]["error"] and "corrupt.cubin" in out["corrupt"]["error"]
+    assert str(folder / "missing.cubin") in out["missing"]["error"] and out["missing"]["code"] == 2
+    assert "cuModuleLoadData(nobinary.cubin) failed: CUDA_ERROR_NO_BINARY_FOR_GPU" in out["nobinary"]["error"]
+    assert "cuModuleGetFunction(other in noentry.cubin) failed: CUDA_ERROR_NOT_FOUND" in out["noentry"]["error"]
+
+
+# ---------------------------------------------------------------- real GPU
+
+def test_gpu_rejects_corrupted_cubin(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    launcher = Launcher(write_arch(tmp_path, [kernel_entry(sha="ab" * 32)]), 0)
+    err = raises(lambda: launcher.launch(NAME, (1, 1, 1), [0, 1, 1.0], 0), "corrupted", NAME + ".cubin")
+    assert err.code == 4
