@@ -1,11 +1,12 @@
-"""Time every compiled paged-decode candidate (FLASH_REASONING_AOT_GRID=wide build) on a few
-cases and print a table: the data behind dispatch.decode_config. Run on a GPU."""
+"""Time every compiled paged-decode candidate (FLASH_REASONING_AOT_GRID=wide build) and every
+split count on a few shapes: the data behind dispatch.decode_config and dispatch.num_splits.
+Run on a GPU."""
 import sys
 
 import torch
 
 from aot.grid import DECODE_CANDIDATES
-from flash_reasoning import bench, runtime, timing
+from flash_reasoning import runtime, timing
 from flash_reasoning.paged_decode import decode_launches
 from flash_reasoning.synthetic import paged_problem
 
@@ -20,6 +21,8 @@ SHAPES = [  # (name, seq_lens, qo heads, kv heads, head_dim)
     ("flat_32x2048/q32kv8/d256", [2048] * 32, 32, 8, 256),
 ]
 
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
+
 
 def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
@@ -30,16 +33,20 @@ def main() -> None:
         p = paged_problem(lens, hq, hkv, dim, device="cuda")
         out = torch.empty_like(p.q)
         floor = (sum(lens) * hkv * dim * 4 + 2 * p.q.numel() * 2) / (bw * 1e12) * 1e6
-        results = []
-        for config in DECODE_CANDIDATES:
+
+        def time_it(**choice):
             launches = decode_launches(p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens,
-                                       out, 0.1, arch, sms, config=config)
-            us = timing.median_us(lambda: runtime.run(launches, device), runs=50)
-            results.append((us, config, len(launches)))
-        best = min(results)
-        cells = "  ".join(f"{c[0]}/{c[1]}/{c[2]}:{us:7.1f}" for us, c, _ in results)
-        print(f"{name:26} floor {floor:7.1f}  best {best[1]} {best[0]:.1f} us "
-              f"({best[0] / floor:.2f}x, {best[2]} launches)  | {cells}", flush=True)
+                                       out, 0.1, arch, sms, **choice)
+            return timing.median_us(lambda: runtime.run(launches, device), runs=50)
+
+        configs = {c: time_it(config=c) for c in DECODE_CANDIDATES}
+        splits = {n: time_it(num_splits=n) for n in SPLITS}
+        auto = time_it()
+        print(f"{name:26} floor {floor:7.1f}  heuristic {auto:7.1f} us ({auto / floor:.2f}x)\n"
+              f"   configs " + "  ".join(f"{c[0]}/{c[1]}/{c[2]}:{us:.1f}"
+                                       for c, us in configs.items()) + "\n"
+              f"   splits  " + "  ".join(f"{n}:{us:.1f}" for n, us in splits.items()),
+              flush=True)
 
 
 if __name__ == "__main__":

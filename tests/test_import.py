@@ -5,13 +5,25 @@ import textwrap
 
 from conftest import HAS_GPU
 
+# find_spec must still succeed (torch's CUDA init asks whether triton exists); importing it
+# must fail.
 BLOCK_TRITON = textwrap.dedent("""
-    import sys
-    class BlockTriton:
+    import importlib.abc, importlib.machinery, sys
+    class Refuse(importlib.abc.Loader):
+        def create_module(self, spec):
+            raise ImportError("triton is blocked in this test")
+        def exec_module(self, module):
+            pass
+    class BlockTriton(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if name == "triton" or name.startswith("triton."):
-                raise ImportError("triton is blocked in this test")
+                return importlib.machinery.ModuleSpec(name, Refuse())
     sys.meta_path.insert(0, BlockTriton())
+    try:
+        import triton
+        raise SystemExit("the block failed")
+    except ImportError:
+        pass
 """)
 
 RUN = textwrap.dedent("""

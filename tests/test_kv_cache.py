@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import gpu
+from conftest import gpu, interpreter
 from flash_reasoning import kv_cache
 
 
@@ -26,6 +26,7 @@ def _expected(k_pool, v_pool, slots, k, v):
     return k_ref, v_ref
 
 
+@interpreter
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_append_kernel_interpreted(dtype):
     from aot.interpret import run_interpreted
@@ -37,6 +38,7 @@ def test_append_kernel_interpreted(dtype):
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
 
 
+@interpreter
 def test_append_kernel_interpreted_rows_wider_than_a_program():
     """num_kv_heads * head_dim > APPEND_BLOCK: each row spans several programs."""
     from aot.interpret import run_interpreted

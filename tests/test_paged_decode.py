@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from conftest import HAS_GPU, gpu, poisoned_like
+from conftest import HAS_GPU, gpu, interpreter, poisoned_like
 from flash_reasoning import paged_decode, reference
 from flash_reasoning.paged_decode import decode_launches
 from flash_reasoning.synthetic import paged_problem
@@ -27,6 +27,7 @@ def _interpret(problem, num_splits, sm_scale=0.125):
     return out
 
 
+@interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])   # GQA groups 1, 4, 8
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -36,18 +37,21 @@ def test_kernel_interpreted(dtype, heads, num_splits):
     _check(_interpret(problem, num_splits), problem, sm_scale=0.125)
 
 
+@interpreter
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_kernel_interpreted_head_dims(head_dim):
     problem = paged_problem([33, 70], 4, 2, head_dim=head_dim, block_size=8, seed=head_dim)
     _check(_interpret(problem, 2), problem, sm_scale=0.125)
 
 
+@interpreter
 def test_kernel_interpreted_group_wider_than_tile():
     """A GQA group of 32 needs two 16-row tiles per KV head."""
     problem = paged_problem([20, 45], 32, 1, head_dim=64, seed=3)
     _check(_interpret(problem, 1), problem, sm_scale=0.125)
 
 
+@interpreter
 def test_kernel_interpreted_empty_sequences_give_zeros():
     problem = paged_problem([0, 5, 0], 4, 2, head_dim=64, seed=4)
     out = _interpret(problem, 2)
@@ -55,6 +59,7 @@ def test_kernel_interpreted_empty_sequences_give_zeros():
     _check(out, problem, sm_scale=0.125)
 
 
+@interpreter
 def test_kernel_interpreted_more_splits_than_tokens():
     problem = paged_problem([3, 17], 4, 4, head_dim=64, seed=5)
     _check(_interpret(problem, 8), problem, sm_scale=0.125)

@@ -22,9 +22,13 @@ MAX_SPLITS = 64
 
 
 def decode_config(head_dim: int, arch: str) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the paged decode kernel, before tuning."""
-    del arch  # one heuristic for sm80/sm89/sm90 until tuning tables exist
-    return (32, 4, 2) if head_dim == 256 else (64, 4, 2)
+    """(BLOCK_N, num_warps, num_stages) of the paged decode kernel.
+
+    The best of ``aot.grid.DECODE_CANDIDATES`` on the H100 (docs/perf.md, 2026-11-21); sm80
+    and sm89 use the same until they are measured.
+    """
+    del arch
+    return (64, 8, 2) if head_dim == 256 else (64, 4, 3)
 
 
 def check_head_dim(head_dim: int) -> None:
