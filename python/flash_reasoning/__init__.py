@@ -5,7 +5,9 @@ importing this package never imports triton and never compiles anything.
 """
 __version__ = "0.1.0"
 
+from .allocator import PhysicalKVAllocator, PoolExhausted, UnknownBranch  # noqa: E402
 from .paged_decode import paged_decode  # noqa: E402
 from .runtime import available_archs  # noqa: E402
 
-__all__ = ["__version__", "paged_decode", "available_archs"]
+__all__ = ["__version__", "PhysicalKVAllocator", "PoolExhausted", "UnknownBranch",
+           "available_archs", "paged_decode"]

@@ -1,0 +1,231 @@
+"""Segment trees from the allocator, FastTree files and level lists."""
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flash_reasoning.allocator import PhysicalKVAllocator
+from flash_reasoning.tree import TreeSpec, build_branches, from_levels, load_fasttree
+
+BS = 4
+CASES = Path(__file__).resolve().parents[2] / "shared" / "bench" / "cases.json"
+
+
+def allocator(num_blocks=64):
+    return PhysicalKVAllocator(num_blocks, BS, 1, 2, dtype=torch.float32, device="cpu")
+
+
+def rows(n, value=1.0):
+    k = torch.full((n, 1, 2), value)
+    return k, -k
+
+
+def write(alloc, bid, n, start=None):
+    alloc.write(bid, 0, *rows(n), start=alloc.length(bid) if start is None else start)
+
+
+def nodes(tree):
+    """(start, end, branch ids below) per node, in node order."""
+    return [(int(s), int(e), sorted(tree.branch_ids[tree.rows_below(v)].tolist()))
+            for v, (s, e) in enumerate(zip(tree.node_start, tree.node_end))]
+
+
+def test_root_and_forks_at_a_block_boundary():
+    alloc = allocator()
+    root = alloc.alloc_branch(8)
+    a = alloc.alloc_branch(10, parent_branch_id=root.branch_id)
+    b = alloc.alloc_branch(11, parent_branch_id=root.branch_id)
+    ids = [root.branch_id, a.branch_id, b.branch_id]
+    tree = alloc.segment_tree(ids)
+    assert nodes(tree) == [(0, 8, ids), (8, 10, [a.branch_id]), (8, 11, [b.branch_id])]
+    assert tree.path(0).tolist() == [0] and tree.path(2).tolist() == [0, 2]
+    assert tree.unique_tokens == 8 + 2 + 3 and tree.logical_tokens == 29
+
+
+def test_fork_inside_a_block_shares_only_positions_before_it():
+    alloc = allocator()
+    root = alloc.alloc_branch(0)
+    write(alloc, root.branch_id, 6)
+    a = alloc.alloc_branch(5, parent_branch_id=root.branch_id, fork_position=5)
+    ids = [root.branch_id, a.branch_id]
+    assert nodes(alloc.segment_tree(ids)) == [(0, 5, ids), (5, 6, [root.branch_id])]
+    write(alloc, a.branch_id, 1)  # copies the partial block: only [0, 4) is read once now
+    assert nodes(alloc.segment_tree(ids)) == [(0, 4, ids), (4, 6, [root.branch_id]),
+                                              (4, 6, [a.branch_id])]
+
+
+def test_copy_on_write_ends_sharing_at_the_copied_block():
+    alloc = allocator()
+    root = alloc.alloc_branch(0)
+    write(alloc, root.branch_id, 12)
+    a = alloc.alloc_branch(12, parent_branch_id=root.branch_id)
+    write(alloc, a.branch_id, 1, start=5)  # rewrites position 5: block 1 is copied
+    ids = [root.branch_id, a.branch_id]
+    assert nodes(alloc.segment_tree(ids)) == [(0, 4, ids), (4, 12, [root.branch_id]),
+                                              (4, 12, [a.branch_id])]
+
+
+def test_freed_parent_keeps_the_shared_segment():
+    alloc = allocator()
+    root = alloc.alloc_branch(0)
+    write(alloc, root.branch_id, 7)
+    kids = [alloc.alloc_branch(9, parent_branch_id=root.branch_id).branch_id
+            for _ in range(2)]
+    alloc.free_branch(root.branch_id)
+    assert nodes(alloc.segment_tree(kids)) == [(0, 7, kids), (7, 9, kids[:1]),
+                                               (7, 9, kids[1:])]
+
+
+def test_unrelated_roots_form_a_forest():
+    alloc = allocator()
+    ids = [alloc.alloc_branch(5).branch_id, alloc.alloc_branch(0).branch_id,
+           alloc.alloc_branch(3).branch_id]
+    tree = alloc.segment_tree(ids)
+    assert sorted(nodes(tree)) == [(0, 3, [ids[2]]), (0, 5, [ids[0]])]
+    assert (tree.node_parent == -1).all() and tree.end_node[1] == -1
+
+
+# ---- random trees vs a brute-force per-position check ----------------------------------
+
+def random_forest(seed):
+    """Random forks (at and inside blocks), writes and frees; returns the allocator and
+    the fork history {branch: (parent, fork position)} of every branch ever made."""
+    rng = random.Random(seed)
+    alloc, history = allocator(num_blocks=256), {}
+    for _ in range(rng.randint(1, 25)):
+        live = alloc.live_branch_ids()
+        action = rng.random()
+        if not live or action < 0.15:
+            bid = alloc.alloc_branch(rng.randint(0, 9)).branch_id
+            history[bid] = (None, 0)
+        elif action < 0.55:
+            parent = rng.choice(live)
+            p = rng.randint(0, alloc.length(parent))
+            bid = alloc.alloc_branch(p + rng.randint(0, 6), parent_branch_id=parent,
+                                     fork_position=p).branch_id
+            history[bid] = (parent, p)
+        elif action < 0.9:
+            bid = rng.choice(live)
+            write(alloc, bid, rng.randint(1, 6), start=rng.randint(0, alloc.length(bid)))
+        elif len(live) > 1:
+            alloc.free_branch(rng.choice(live))
+    return alloc, history
+
+
+def origin(history, bid, t):
+    """The branch whose tokens position t of `bid` comes from (fork history only)."""
+    parent, p = history[bid]
+    while parent is not None and t < p:
+        bid, (parent, p) = parent, history[parent]
+    return bid
+
+
+def brute_shared(alloc, history, a, b):
+    """Tokens a and b share: same origin and same physical slot, for every earlier token."""
+    tables, lengths = alloc.block_tables([a, b])
+    shared = 0
+    while (shared < min(lengths.tolist())
+           and origin(history, a, shared) == origin(history, b, shared)
+           and tables[0, shared // BS] == tables[1, shared // BS]):
+        shared += 1
+    return shared
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_trees_match_brute_force(seed):
+    alloc, history = random_forest(seed)
+    ids = alloc.live_branch_ids()
+    random.Random(seed).shuffle(ids)
+    tree = alloc.segment_tree(ids)
+    for i, a in enumerate(ids):
+        path = tree.path(i)
+        assert tree.node_end[path[-1]] == alloc.length(a) if len(path) else alloc.length(a) == 0
+        for j, b in enumerate(ids):
+            common = [v for v in path if v in set(tree.path(j).tolist())]
+            depth = int(tree.node_end[common[-1]]) if common else 0
+            assert depth == brute_shared(alloc, history, a, b), (a, b)
+    for v in range(tree.num_nodes):
+        below = set(tree.rows_below(v).tolist())
+        assert below == {i for i in range(len(ids)) if v in tree.path(i).tolist()}
+        parent = tree.node_parent[v]
+        assert tree.node_len[v] > 0
+        if parent >= 0:  # maximal: a child covers fewer branches than its parent
+            assert parent < v and tree.node_end[parent] == tree.node_start[v]
+            assert below < set(tree.rows_below(parent).tolist())
+
+
+# ---- tree specs -------------------------------------------------------------------------
+
+def test_load_fasttree(tmp_path):
+    path = tmp_path / "tree.txt"
+    path.write_text("5\n-1 0 50 2\n0 1 100 2\n0 2 100 0\n1 3 150 0\n1 4 150 0\n")
+    spec = load_fasttree(path)
+    assert spec.parent.tolist() == [-1, 0, 0, 1, 1]
+    assert spec.leaves().tolist() == [2, 3, 4]
+    assert (spec.unique_tokens, spec.logical_tokens) == (550, 150 + 300 + 300)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("3\n-1 0 8 1\n0 1 4 0\n", "header says 3"),
+    ("-1 0 8 2\n0 1 4 0\n", "declares 2 children"),
+    ("-1 0 8 1\n0 2 4 0\n", "ids must be 0..1"),
+    ("-1 0 8\n", "parent id seqlen num_children"),
+    ("-1 0 x 0\n", "non-integer"),
+])
+def test_load_fasttree_rejects_bad_files(tmp_path, text, match):
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_fasttree(path)
+
+
+def test_tree_spec_rejects_cycles():
+    with pytest.raises(ValueError, match="cycle"):
+        TreeSpec(np.array([1, 0]), np.array([1, 1]))
+
+
+def test_from_levels_parents():
+    spec = from_levels([1, 2, 4], [8, 4, 2])
+    assert spec.parent.tolist() == [-1, 0, 0, 1, 1, 2, 2]
+    assert spec.node_start().tolist() == [0, 8, 8, 12, 12, 12, 12]
+
+
+def bench_shapes():
+    cases = json.loads(CASES.read_text())["cases"]
+    shapes = {}
+    for case in cases:
+        key = (tuple(case["nodes_per_level"]), tuple(case["tokens_per_level"]))
+        shapes[key] = (case["unique_tokens"], case["logical_tokens"], case["branches"])
+    return sorted(shapes.items())
+
+
+@pytest.mark.skipif(not CASES.exists(), reason="needs ../shared/bench/cases.json")
+@pytest.mark.parametrize("shape, expected", bench_shapes() if CASES.exists() else [])
+def test_bench_cases_token_counts(shape, expected):
+    spec = from_levels(*shape)
+    unique, logical, branches = expected
+    assert (spec.unique_tokens, spec.logical_tokens) == (unique, logical)
+    alloc = PhysicalKVAllocator(2, 16, 1, 2, dtype=torch.float32, device="cpu")
+    leaves = build_branches(alloc, spec)  # nothing written: no data block needed
+    assert len(leaves) == branches and alloc.live_branch_ids() == sorted(leaves)
+    tree = alloc.segment_tree(leaves)
+    assert (tree.unique_tokens, tree.logical_tokens) == (unique, logical)
+    only_children = sum(len(kids) == 1 for kids in spec.children())  # merged into parents
+    assert tree.num_nodes == spec.num_nodes - only_children
+
+
+def test_build_branches_fills_shared_content():
+    spec = from_levels([1, 3], [6, 2])  # forks at 6, inside a block
+    alloc = allocator()
+    fill = lambda node, layer, n: rows(n, float(node + 1))  # noqa: E731
+    leaves = build_branches(alloc, spec, fill=fill)
+    for i, bid in enumerate(leaves):
+        tables, lengths = alloc.block_tables([bid])
+        pos = torch.arange(int(lengths[0]))
+        k = alloc.k_pools[0].reshape(-1, 1, 2)[tables[0, pos // BS].long() * BS + pos % BS]
+        assert k[:, 0, 0].tolist() == [1.0] * 6 + [i + 2.0] * 2
+    # Block 0 is shared; each leaf copied the partial block 1 (positions 4..7) on write.
+    assert alloc.memory_report().tokens_physical == 4 + 3 * 4
