@@ -587,20 +587,9 @@ class PhysicalKVAllocator:
             raise ValueError(f"layer must lie in [0, {self.num_layers - 1}], got {layer}")
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, n: int | None) -> None:
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        rows = k.shape[0] if n is None and k.dim() else n
-        expected = (rows, self.num_kv_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape {expected} (tokens, num_kv_heads, "
-                                 f"head_dim), got {tuple(t.shape)}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} must be {self.dtype} (the pool's dtype), got {t.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} must be on {self.device} (the pool's device), "
-                                 f"got {t.device}")
+        rows = k.shape[0] if n is None and isinstance(k, torch.Tensor) and k.dim() else n
+        kv_cache.check_rows(k, v, (rows, self.num_kv_heads, self.head_dim), self.dtype,
+                            self.device)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)

@@ -57,14 +57,23 @@ def _check_write(k_pool, v_pool, slots, k, v) -> None:
     if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pool and v_pool differ: {tuple(k_pool.shape)} {k_pool.dtype} "
                          f"vs {tuple(v_pool.shape)} {v_pool.dtype}")
-    expected = (slots.numel(), k_pool.shape[2], k_pool.shape[3])
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != expected:
-            raise ValueError(f"{name} must have shape {expected} (tokens, kv heads, head_dim), "
-                             f"got {tuple(t.shape)}")
-        if t.device != k_pool.device:
-            raise ValueError(f"{name} is on {t.device}, the pool on {k_pool.device}")
-        if t.dtype != k_pool.dtype:
-            raise TypeError(f"{name} must be {k_pool.dtype} (the pool's dtype), got {t.dtype}")
+    check_rows(k, v, (slots.numel(), k_pool.shape[2], k_pool.shape[3]), k_pool.dtype,
+               k_pool.device)
     if slots.device != k_pool.device:
         raise ValueError(f"slots are on {slots.device}, the pool on {k_pool.device}")
+
+
+def check_rows(k, v, expected: tuple[int, int, int], dtype: torch.dtype,
+               device: torch.device) -> None:
+    """K/V rows to write must be tensors of shape (tokens, num_kv_heads, head_dim) in the
+    pool's dtype and on its device."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must have shape {expected} (tokens, num_kv_heads, "
+                             f"head_dim), got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype} (the pool's dtype), got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device} (the pool's device), got {t.device}")
