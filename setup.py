@@ -42,7 +42,7 @@ launcher = Pybind11Extension(
 
 setup(
     package_dir={"": "python"},
-    packages=["flash_reasoning"],
+    packages=["flash_reasoning", "flash_reasoning.ops"],
     package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json"]},
     ext_modules=[launcher],
     cmdclass={"build_ext": BuildWithKernels},

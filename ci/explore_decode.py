@@ -7,7 +7,7 @@ import torch
 
 from aot.grid import DECODE_CANDIDATES
 from flash_reasoning import runtime, timing
-from flash_reasoning.paged_decode import decode_launches
+from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.synthetic import paged_problem
 
 SHAPES = [  # (name, seq_lens, qo heads, kv heads, head_dim)

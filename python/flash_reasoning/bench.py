@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import timing
-from .paged_decode import paged_decode
+from .ops.paged_decode import paged_decode
 from .synthetic import paged_problem
 
 

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-from . import dispatch, runtime, torch_path
-from .runtime import Launch
+from .. import dispatch, runtime, torch_path
+from ..runtime import Launch
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
