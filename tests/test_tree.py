@@ -1,17 +1,15 @@
 """Segment trees from the allocator, FastTree files and level lists."""
-import json
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from flash_reasoning.allocator import PhysicalKVAllocator
+from flash_reasoning.bench import load_cases
 from flash_reasoning.tree import TreeSpec, build_branches, from_levels, load_fasttree
 
 BS = 4
-CASES = Path(__file__).resolve().parents[2] / "shared" / "bench" / "cases.json"
 
 
 def allocator(num_blocks=64):
@@ -194,7 +192,7 @@ def test_from_levels_parents():
 
 
 def bench_shapes():
-    cases = json.loads(CASES.read_text())["cases"]
+    cases = load_cases()["cases"]  # the copy of ../shared/bench/cases.json the package ships
     shapes = {}
     for case in cases:
         key = (tuple(case["nodes_per_level"]), tuple(case["tokens_per_level"]))
@@ -202,8 +200,7 @@ def bench_shapes():
     return sorted(shapes.items())
 
 
-@pytest.mark.skipif(not CASES.exists(), reason="needs ../shared/bench/cases.json")
-@pytest.mark.parametrize("shape, expected", bench_shapes() if CASES.exists() else [])
+@pytest.mark.parametrize("shape, expected", bench_shapes())
 def test_bench_cases_token_counts(shape, expected):
     spec = from_levels(*shape)
     unique, logical, branches = expected
