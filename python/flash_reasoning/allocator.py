@@ -361,7 +361,8 @@ class PhysicalKVAllocator:
         positions = np.arange(start, end)
         slots = blocks[positions // self.block_size - first] * self.block_size
         kv_cache.write_slots(self.k_pools[layer], self.v_pools[layer],
-                             self._upload(slots + positions % self.block_size), k, v)
+                             self._upload(slots + positions % self.block_size), k, v,
+                             validate=False)  # checked by _check_kv
         written = np.minimum(end - cols * self.block_size, self.block_size)
         self._fill[blocks] = np.maximum(self._fill[blocks], written)
 
@@ -403,7 +404,8 @@ class PhysicalKVAllocator:
                              f"once per decode step, then append(step, layer, k, v) per layer")
         else:
             step = self.reserve(step)
-        kv_cache.write_slots(self.k_pools[layer], self.v_pools[layer], step.slots, k, v)
+        kv_cache.write_slots(self.k_pools[layer], self.v_pools[layer], step.slots, k, v,
+                             validate=False)  # checked by _check_kv above
         return step
 
     # ---- internals: blocks ---------------------------------------------------------------

@@ -6,6 +6,7 @@ grid compiles at least that, and a test checks every manifest holds it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from .specializations import APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, Spec, make_spec
@@ -41,6 +42,7 @@ def check_dtype(dtype: str) -> None:
         raise TypeError(f"dtype {dtype} is not supported; use one of {tuple(DTYPES)}")
 
 
+@functools.lru_cache(maxsize=None)  # a Spec per call would cost host time per launch
 def decode_spec(dtype: str, head_dim: int, split: bool, arch: str,
                 config: tuple[int, int, int] | None = None) -> Spec:
     """The decode kernel for a call; ``config`` (BLOCK_N, warps, stages) overrides the
@@ -52,12 +54,14 @@ def decode_spec(dtype: str, head_dim: int, split: bool, arch: str,
                      BLOCK_N=block_n, SPLIT=int(split))
 
 
+@functools.lru_cache(maxsize=None)
 def merge_spec(dtype: str, head_dim: int) -> Spec:
     check_dtype(dtype)
     check_head_dim(head_dim)
     return make_spec(MERGE_SPLITS, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
 
 
+@functools.lru_cache(maxsize=None)
 def append_spec() -> Spec:
     return make_spec(APPEND_KV, None, 4, 1, BLOCK=APPEND_BLOCK)
 

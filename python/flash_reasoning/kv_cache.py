@@ -13,13 +13,15 @@ from .runtime import Launch
 
 
 def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor) -> None:
+                k: torch.Tensor, v: torch.Tensor, validate: bool = True) -> None:
     """Write ``k[i]``/``v[i]`` (``[num_kv_heads, head_dim]`` each) into token slot ``slots[i]``.
 
     One kernel launch on CUDA tensors (the AOT ``append_kv`` kernel), plain indexing on CPU.
-    Slots must be distinct; the caller (the allocator) guarantees it.
+    Slots must be distinct; the caller (the allocator) guarantees it. ``validate=False`` is
+    for a caller that has already checked k/v against these pools (the allocator's hot path).
     """
-    _check_write(k_pool, v_pool, slots, k, v)
+    if validate:
+        _check_write(k_pool, v_pool, slots, k, v)
     if slots.numel() == 0:
         return
     if k_pool.is_cuda:

@@ -6,6 +6,7 @@ with the signature :meth:`Spec.signature`; the manifest records both; dispatch b
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 #: torch dtype name -> Triton's name for it in signatures and kernel names.
@@ -70,7 +71,7 @@ class Spec:
     num_warps: int
     num_stages: int
 
-    @property
+    @functools.cached_property  # launched by name every call: build the string once
     def name(self) -> str:
         parts = [self.family]
         if self.dtype is not None:
