@@ -8,12 +8,17 @@ from __future__ import annotations
 import os
 
 from flash_reasoning import dispatch
-from flash_reasoning.specializations import DTYPES, PAGED_DECODE, Spec, make_spec
+from flash_reasoning.specializations import (DTYPES, PAGED_DECODE, TREE_FINAL, TREE_PARTIAL, Spec,
+                                            make_spec)
 
 ARCHS = ("sm80", "sm89", "sm90")
 
 #: (BLOCK_N, num_warps, num_stages) candidates measured by a tuning run.
 DECODE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (64, 8, 2))
+#: Tree kernel candidates (BLOCK_N, num_warps, num_stages), fp16 head_dim 128 for now: the
+#: wide partial tile and the final kernel.
+TREE_PARTIAL_CANDIDATES = ((32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))
+TREE_FINAL_CANDIDATES = ((64, 4, 1), (64, 4, 2), (32, 4, 2), (64, 8, 2))
 
 
 def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
@@ -23,8 +28,16 @@ def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
         wide = os.environ.get("FLASH_REASONING_AOT_GRID", "") == "wide"
     specs = dict.fromkeys(dispatch.required_specs(arch))
     if wide:
-        specs.update(dict.fromkeys(_decode_candidates()))
+        specs.update(dict.fromkeys(_decode_candidates() + _tree_candidates()))
     return list(specs)
+
+
+def _tree_candidates() -> list[Spec]:
+    partial = [make_spec(TREE_PARTIAL, "float16", w, s, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=n)
+               for n, w, s in TREE_PARTIAL_CANDIDATES]
+    final = [make_spec(TREE_FINAL, "float16", w, s, HEAD_DIM=128, BLOCK_M=dispatch.BLOCK_M,
+                       BLOCK_N=n) for n, w, s in TREE_FINAL_CANDIDATES]
+    return partial + final
 
 
 def _decode_candidates() -> list[Spec]:

@@ -17,6 +17,9 @@ log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
 log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider || status=1
 log=bench.log  step "bench" python3 -m flash_reasoning.cli bench ${BENCH_ARGS:-} || status=1
 log=host.log   step "allocator host cost" python3 benchmarks/allocator_host_cost.py || status=1
+if [ -n "${EXPLORE_TREE:-}" ]; then
+  log=explore_tree.log step "explore tree planner" env PYTHONPATH=. python3 ci/explore_tree.py || status=1
+fi
 if [ "${AOT_GRID:-}" = wide ]; then
   log=explore.log step "explore decode configs" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
 fi

@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PhysicalKVAllocator": "allocator", "PoolExhausted": "allocator",
     "UnknownBranch": "allocator", "paged_decode": "ops.paged_decode",
-    "available_archs": "runtime",
+    "available_archs": "runtime", "tree_attention": "ops.tree_attention",
+    "TreeAttentionPlan": "ops.tree_attention", "StalePlan": "ops.tree_attention",
 }
 
 __all__ = ["__version__", *_EXPORTS]

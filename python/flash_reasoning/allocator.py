@@ -192,6 +192,7 @@ class PhysicalKVAllocator:
         self._epoch = 0          # bumped by calls that may share or recycle blocks
         self._table_epoch = 0    # bumped when any table entry changes
         self._length_epoch = 0   # bumped when any length changes
+        self._overwrites = 0     # bumped by writes over tokens a branch already had
         self._cache: tuple | None = None
 
     # ---- queries -------------------------------------------------------------------------
@@ -209,6 +210,18 @@ class PhysicalKVAllocator:
 
     def length(self, branch_id: int) -> int:
         return int(self._lengths[self._row(branch_id)])
+
+    @property
+    def tree_version(self) -> tuple[int, int]:
+        """Changes whenever a segment tree may change other than by branches growing
+        (alloc, free, prune, overwriting tokens): a plan built at one version is stale at
+        another. ``reserve``/``append`` and writes that only extend branches keep it."""
+        return self._epoch, self._overwrites
+
+    @property
+    def table_version(self) -> tuple[int, int]:
+        """Changes whenever a block table entry or a length changes."""
+        return self._table_epoch, self._length_epoch
 
     def live_branch_ids(self) -> list[int]:
         return sorted(self._branches)
@@ -354,6 +367,8 @@ class PhysicalKVAllocator:
         cols = np.arange(first, last + 1)
         blocks = self._materialise(np.full(cols.size, row), cols,
                                    f"writing {n} tokens at {start} of branch {branch_id}")
+        if start < length:
+            self._overwrites += 1
         if end > length:
             grown = length // self.block_size - first
             self._zero_tails(blocks[grown:grown + 1], np.array([length % self.block_size]))

@@ -35,10 +35,26 @@ def cmd_bench(args) -> int:
     if args.filter:
         cases = [c for c in cases if args.filter in c["name"]]
     bandwidth = bench.timing.copy_bandwidth_tbps()
-    print(f"GPU: {torch.cuda.get_device_name()}, arch {runtime.arch_of(torch.cuda.current_device())}, "
+    arch = runtime.arch_of(torch.cuda.current_device())
+    print(f"GPU: {torch.cuda.get_device_name()}, arch {arch}, "
           f"copy bandwidth {bandwidth:.2f} TB/s, flash-reasoning {__version__}")
-    rows = [bench.bench_paged_decode(case, bandwidth, args.runs) for case in cases]
+    runners = {"tree_attention": bench.bench_tree_attention,
+               "paged_decode": bench.bench_paged_decode}
+    ops = args.ops.split(",")
+    unknown = set(ops) - set(runners)
+    if unknown:
+        print(f"bench: unknown --ops {sorted(unknown)}; choose from {sorted(runners)}",
+              file=sys.stderr)
+        return 2
+    rows = []
+    print("\n".join(bench.format_rows([]).splitlines()), flush=True)
+    for case in cases:
+        new = [runners[op](case, bandwidth, args.runs) for op in ops]
+        print("\n".join(bench.format_rows(new).splitlines()[2:]), flush=True)
+        rows += new
+    print()
     print(bench.format_rows(rows))
+    print(bench.summary(rows))
     return 0
 
 
@@ -50,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--cases", default=None, help="cases JSON (default: shipped)")
     bench_parser.add_argument("--filter", default="", help="only cases whose name contains it")
     bench_parser.add_argument("--runs", type=int, default=100)
+    bench_parser.add_argument("--ops", default="tree_attention,paged_decode",
+                              help="comma-separated: tree_attention, paged_decode")
     args = parser.parse_args(argv)
     return {"info": cmd_info, "bench": cmd_bench}[args.command](args)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import math
 
-from .specializations import APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, Spec, make_spec
+from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
+                              TREE_PARTIAL, Spec, make_spec)
 
 HEAD_DIMS = (64, 128, 256)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
@@ -66,6 +67,50 @@ def append_spec() -> Spec:
     return make_spec(APPEND_KV, None, 4, 1, BLOCK=APPEND_BLOCK)
 
 
+#: Query-row tiles of ``tree_partial``: a node's (branch, head) rows fill tiles of one size.
+TREE_BLOCK_MS = (16, 64)
+
+
+def tree_block_m(flat_rows: int) -> int:
+    """The ``tree_partial`` tile for a node with this many (branch, query head) rows: the
+    decode tile when they fit in it, else the wide tile (fewer re-reads of the node's KV)."""
+    return TREE_BLOCK_MS[0] if flat_rows <= TREE_BLOCK_MS[0] else TREE_BLOCK_MS[1]
+
+
+def tree_partial_config(head_dim: int, block_m: int, arch: str) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of ``tree_partial``: the decode config for the
+    decode tile; the wide tile doubles the warps at head_dim 256 (its accumulator). Guesses
+    until the tuner measures them (docs/perf.md)."""
+    if block_m == BLOCK_M:
+        return decode_config(head_dim, arch)
+    if head_dim == 256:  # sm89 has 99 KB of shared memory per block: one stage fits
+        return (64, 8, 1) if arch == "sm89" else (64, 8, 2)
+    return (64, 4, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
+                      config: tuple[int, int, int] | None = None) -> Spec:
+    check_dtype(dtype)
+    check_head_dim(head_dim)
+    if block_m not in TREE_BLOCK_MS:
+        raise ValueError(f"tree_partial BLOCK_M {block_m} is not compiled: {TREE_BLOCK_MS}")
+    block_n, warps, stages = config or tree_partial_config(head_dim, block_m, arch)
+    return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                     BLOCK_N=block_n)
+
+
+@functools.lru_cache(maxsize=None)
+def tree_final_spec(dtype: str, head_dim: int, arch: str,
+                    config: tuple[int, int, int] | None = None) -> Spec:
+    """One branch's GQA group per program, like the decode kernel, with its config."""
+    check_dtype(dtype)
+    check_head_dim(head_dim)
+    block_n, warps, stages = config or decode_config(head_dim, arch)
+    return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+                     BLOCK_N=block_n)
+
+
 def required_specs(arch: str) -> list[Spec]:
     """Every spec the functions above can return for ``arch``."""
     specs = [append_spec()]
@@ -73,6 +118,8 @@ def required_specs(arch: str) -> list[Spec]:
         for head_dim in HEAD_DIMS:
             specs += [decode_spec(dtype, head_dim, split, arch) for split in (False, True)]
             specs.append(merge_spec(dtype, head_dim))
+            specs += [tree_partial_spec(dtype, head_dim, bm, arch) for bm in TREE_BLOCK_MS]
+            specs.append(tree_final_spec(dtype, head_dim, arch))
     return specs
 
 

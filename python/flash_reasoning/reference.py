@@ -61,3 +61,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 #: Tolerances of DESIGN.md: relative error allowed per dtype.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def tree_attention(q, allocator, branch_ids, layer: int = 0, sm_scale=None) -> torch.Tensor:
+    """Reference for :func:`flash_reasoning.tree_attention`: each branch's whole path read
+    through its own block table, as if nothing were shared."""
+    tables, lengths = allocator.block_tables(branch_ids)
+    k_pool, v_pool = allocator.k_pools[layer], allocator.v_pools[layer]
+    return paged_decode(q, k_pool, v_pool, tables, lengths, sm_scale)

@@ -59,7 +59,33 @@ APPEND_KV = Family(
     constexprs=("BLOCK",),
 )
 
-FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV)}
+#: One work item of ``tree_partial``: an int32 record of these fields, in this order (the
+#: planner writes them, the kernel reads them by index).
+TREE_ITEM_FIELDS = ("table_row", "kv_start", "kv_end", "row_ptr", "num_rows",
+                    "first_flat_row", "entry0", "unused")
+
+_TREE_COMMON = (("q", "*{dt}"), ("k_pool", "*{dt}"), ("v_pool", "*{dt}"),
+                ("block_tables", "*i32"))
+_TREE_SCALARS = (("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_heads", "i32"),
+                 ("page_size", "i32"), ("max_blocks", "i32"))
+
+TREE_PARTIAL = Family(
+    name="tree_partial",
+    params=_TREE_COMMON + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
+                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS,
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N"),
+)
+
+TREE_FINAL = Family(
+    name="tree_final",
+    params=_TREE_COMMON + (("seq_lens", "*i32"), ("final_start", "*i32"), ("merge_ptr", "*i32"),
+                           ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
+                           ("out", "*{dt}")) + _TREE_SCALARS,
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N"),
+)
+
+FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV, TREE_PARTIAL,
+                                TREE_FINAL)}
 
 
 @dataclass(frozen=True)

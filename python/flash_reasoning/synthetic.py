@@ -34,3 +34,41 @@ def paged_problem(seq_lens: list[int], num_qo_heads: int, num_kv_heads: int, hea
     q = torch.randn(len(seq_lens), num_qo_heads, head_dim, generator=gen, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return PagedProblem(q.to(dtype), k_pool, v_pool, tables, lens)
+
+
+def random_kv(allocator, gen: torch.Generator, num_tokens: int):
+    """``num_tokens`` random K and V rows in the allocator's dtype (on its device)."""
+    shape = (num_tokens, allocator.num_kv_heads, allocator.head_dim)
+    k = torch.randn(shape, generator=gen).to(allocator.dtype).to(allocator.device)
+    v = torch.randn(shape, generator=gen).to(allocator.dtype).to(allocator.device)
+    return k, v
+
+
+def random_branches(allocator, num_branches: int, max_depth: int, max_tokens: int,
+                    seed: int = 0, roots: int = 1) -> list[int]:
+    """Grow a random forest of ``num_branches`` live branches in ``allocator`` and return
+    their ids (inner ones included: some branches are prefixes of others).
+
+    Each new branch forks a random branch of depth < ``max_depth`` at a random position
+    (often inside a block, sometimes 0 or the parent's end) and writes 0..``max_tokens``
+    random tokens in every layer; the first ``roots`` branches are roots.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda high: int(torch.randint(0, high + 1, (1,), generator=gen))  # noqa: E731
+    depth: dict[int, int] = {}
+    for i in range(num_branches):
+        parents = [b for b, d in depth.items() if d < max_depth]
+        if i < roots or not parents:
+            branch, position, level = allocator.alloc_branch(0), 0, 0
+        else:
+            parent = parents[rand(len(parents) - 1)]
+            position = rand(allocator.length(parent))
+            branch = allocator.alloc_branch(position, parent_branch_id=parent,
+                                            fork_position=position)
+            level = depth[parent] + 1
+        depth[branch.branch_id] = level
+        count = rand(max_tokens)
+        for layer in range(allocator.num_layers):
+            k, v = random_kv(allocator, gen, count)
+            allocator.write(branch.branch_id, layer, k, v, start=position)
+    return list(depth)

@@ -25,3 +25,47 @@ def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # empty sequence: all -inf -> 0
     result = torch.einsum("nhgl,nlhd->nhgd", probs, values)
     out.copy_(result.reshape(num_seqs, num_qo_heads, head_dim))
+
+
+def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
+                   out: torch.Tensor) -> None:
+    """Executes a :class:`~flash_reasoning.planner.PlanArrays` chunk by chunk (partials, then
+    each branch's final range merged with its partials), as the kernels do."""
+    num_qo_heads, head_dim = q.shape[1:]
+    partial_out = torch.zeros(arrays.num_entries, num_qo_heads, head_dim)
+    partial_lse = torch.full((arrays.num_entries, num_qo_heads), float("-inf"))
+    order = torch.from_numpy(arrays.order).long()
+    for c in range(arrays.chunk_start.size):
+        rows = order[arrays.chunk_row_ptr[c]:arrays.chunk_row_ptr[c] + arrays.chunk_rows[c]]
+        table = block_tables[int(arrays.chunk_table_row[c])]
+        first = arrays.chunk_entry0[c]
+        slots = torch.from_numpy(arrays.entry_slot[first:first + arrays.chunk_rows[c]]).long()
+        partial_out[slots], partial_lse[slots] = _attend(
+            q[rows], k_pool, v_pool, table, int(arrays.chunk_start[c]),
+            int(arrays.chunk_end[c]), sm_scale)
+    for b in range(q.shape[0]):
+        own_out, own_lse = _attend(q[b:b + 1], k_pool, v_pool, block_tables[b],
+                                   int(arrays.final_start[b]), int(seq_lens[b]), sm_scale)
+        merged = slice(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])
+        lse = torch.cat([own_lse, partial_lse[merged]])                    # [parts, heads]
+        weight = torch.softmax(lse, dim=0).nan_to_num_(0.0)  # all empty: zeros
+        out[b] = (weight[..., None] * torch.cat([own_out, partial_out[merged]])).sum(0)
+
+
+def _attend(q, k_pool, v_pool, table, start: int, end: int, sm_scale: float):
+    """(normalised output, natural-log LSE) of ``q`` ``[rows, heads, dim]`` over tokens
+    [start, end) of one paged sequence, in float32; an empty range gives (0, -inf)."""
+    rows, num_qo_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
+    if end <= start:
+        return (torch.zeros(rows, num_qo_heads, head_dim),
+                torch.full((rows, num_qo_heads), float("-inf")))
+    pos = torch.arange(start, end)
+    slots = table.long()[pos // page_size] * page_size + pos % page_size
+    keys = k_pool.reshape(-1, num_kv_heads, head_dim)[slots].float()      # [L, kvh, d]
+    values = v_pool.reshape(-1, num_kv_heads, head_dim)[slots].float()
+    queries = q.float().view(rows, num_kv_heads, -1, head_dim)
+    scores = torch.einsum("rhgd,lhd->rhgl", queries, keys) * sm_scale
+    lse = torch.logsumexp(scores, dim=-1)
+    result = torch.einsum("rhgl,lhd->rhgd", torch.exp(scores - lse[..., None]), values)
+    return result.reshape(rows, num_qo_heads, head_dim), lse.reshape(rows, num_qo_heads)

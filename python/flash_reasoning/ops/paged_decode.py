@@ -12,6 +12,7 @@ import torch
 
 from .. import dispatch, runtime, torch_path
 from ..runtime import Launch
+from .checks import check_tensor
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -112,12 +113,7 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
 
 
 def _check_like(name, t, dtype, device) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} (q's device)")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    check_tensor(name, t, dtype, device, owner="q")
 
 
 def _check_lengths_fit(block_tables, seq_lens, page_size) -> None:

@@ -1,0 +1,71 @@
+"""Building blocks shared by the attention kernels (inlined by Triton into each caller).
+
+Softmax runs online in base 2 (``sm_scale_log2`` = sm_scale * log2(e)); every LSE that leaves
+a kernel is in the natural log, the convention of the whole package.
+"""
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def group_rows(tile, num_qo_heads, num_kv_heads, BLOCK_M: tl.constexpr):
+    """The KV head and query heads of ``tile``: the GQA group split into BLOCK_M-row tiles."""
+    group = num_qo_heads // num_kv_heads
+    tiles_per_group = tl.cdiv(group, BLOCK_M)
+    kv_head = tile // tiles_per_group
+    rows = (tile % tiles_per_group) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return kv_head, kv_head * group + rows, rows < group
+
+
+@triton.jit
+def attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, start, end,
+           sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
+    (``table`` is its block table row). Returns (row max in base 2, row sum, unnormalised
+    output); an empty range gives (-inf, 0, 0)."""
+    d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in tl.range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        page = tl.load(table + n // page_size, mask=n_ok, other=0)
+        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+        kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        # Every tile holds at least one valid key (n0 < end), so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def normalise(m_i, l_i, acc):
+    """(output, natural-log LSE) of ``attend``'s result; an empty range gives (0, -inf)."""
+    has_keys = l_i > 0
+    safe_l = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
+    return acc / safe_l[:, None], lse
+
+
+@triton.jit
+def merge_partial(m, denom, acc, lse, part):
+    """Fold one partial (``part`` normalised, weight exp(lse)) into a running log-sum-exp
+    merge state: ``m`` the largest LSE so far, ``acc``/``denom`` the output scaled by
+    exp(-m). Rows that have seen only empty partials stay (-inf, 0, 0), never NaN."""
+    m_new = tl.maximum(m, lse)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    scale = tl.exp(m - ref)
+    w = tl.exp(lse - ref)
+    return m_new, denom * scale + w, acc * scale[:, None] + part * w[:, None]

@@ -1,0 +1,219 @@
+"""``tree_attention`` and its plan/run form: decode attention over a tree of branches that
+reads each shared KV token once per step.
+
+``TreeAttentionPlan`` is built once per decode step (or kept while the branches only grow):
+it runs the planner, uploads the work lists and allocates every buffer ``run`` needs. ``run``
+launches the partial kernel(s) and the final kernel; it allocates nothing and never
+synchronises, so it can be captured in a CUDA graph. On CPU allocators ``run`` executes the
+same plan with the PyTorch path.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .. import dispatch, planner, runtime, torch_path
+from ..allocator import PhysicalKVAllocator
+from ..runtime import Launch
+from .checks import check_tensor
+
+#: Block-table columns a plan holds beyond the longest branch, so branches can grow by
+#: this many blocks before the plan must be rebuilt.
+TABLE_HEADROOM_BLOCKS = 64
+
+
+class StalePlan(RuntimeError):
+    """The allocator's tree changed since the plan was built (a branch was forked, freed,
+    pruned or overwritten, or outgrew the plan's tables): build a new plan."""
+
+
+class TreeAttentionPlan:
+    """The work of one decode step over ``branch_ids`` of ``allocator``, for queries of
+    ``num_qo_heads`` heads (a multiple of the allocator's KV heads).
+
+    Valid while the allocator's :attr:`~PhysicalKVAllocator.tree_version` is unchanged:
+    ``reserve``/``append`` steps keep it (``run`` picks up the new lengths and tables), any
+    fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
+    capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
+    The output is softmax attention with natural-log LSE merges (not base 2).
+    """
+
+    def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
+                 num_qo_heads: int, sm_scale: float | None = None,
+                 target_chunk: int | None = None, num_sms: int | None = None) -> None:
+        if not isinstance(allocator, PhysicalKVAllocator):
+            raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
+                            f"{type(allocator).__name__}")
+        self.allocator = allocator
+        self.num_qo_heads = _check_heads(num_qo_heads, allocator.num_kv_heads)
+        self.head_dim = allocator.head_dim
+        self.sm_scale = _check_scale(sm_scale, self.head_dim)
+        device = allocator.device
+        if device.type == "cuda":
+            dispatch.check_dtype(str(allocator.dtype).removeprefix("torch."))
+            dispatch.check_head_dim(self.head_dim)
+        tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
+        self.branch_ids = tree.branch_ids
+        self.tree_version = allocator.tree_version
+        self.arch = runtime.arch_of(device.index) if device.type == "cuda" else None
+        shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
+                              allocator.k_pools[0].element_size(),
+                              num_sms or (runtime.num_sms(device.index)
+                                          if device.type == "cuda" else 1))
+        self.arrays = planner.plan(tree, shape, target_chunk)
+        self._upload_work_lists(device)
+        self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
+                                       self.head_dim, dtype=torch.float32, device=device)
+        self.partial_lse = torch.empty(self.arrays.num_entries, self.num_qo_heads,
+                                       dtype=torch.float32, device=device)
+        tables, _ = allocator.block_tables(self.branch_ids)
+        self.tables = torch.zeros(self.branch_ids.size,
+                                  tables.shape[1] + TABLE_HEADROOM_BLOCKS,
+                                  dtype=torch.int32, device=device)
+        self.lengths = torch.zeros(self.branch_ids.size, dtype=torch.int32, device=device)
+        self._table_version = None
+        self.refresh()
+
+    @property
+    def num_branches(self) -> int:
+        return int(self.branch_ids.size)
+
+    def refresh(self) -> None:
+        """Copy the allocator's current tables and lengths into the plan's buffers (a no-op
+        when unchanged); raises :class:`StalePlan` when the plan no longer describes the
+        tree. ``run`` calls it; graph users call it before a replay."""
+        alloc = self.allocator
+        if alloc.tree_version != self.tree_version:
+            raise StalePlan("the allocator's tree changed since this plan was built (a fork, "
+                            "free, prune or overwrite); build a new TreeAttentionPlan")
+        if alloc.table_version == self._table_version:
+            return
+        tables, lengths = alloc.block_tables(self.branch_ids)
+        if tables.shape[1] > self.tables.shape[1]:
+            raise StalePlan(f"branches grew past the plan's {self.tables.shape[1]} table "
+                            f"columns ({tables.shape[1]} needed); build a new plan")
+        self.tables[:, :tables.shape[1]].copy_(tables)
+        self.lengths.copy_(lengths)
+        self._table_version = alloc.table_version
+
+    def run(self, q: torch.Tensor, layer: int = 0, out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Attention of ``q[i]`` (``[num_branches, num_qo_heads, head_dim]``, the pool's
+        dtype) over branch ``branch_ids[i]`` in ``layer``; returns ``out``."""
+        self._validate(q, layer, out)
+        self.refresh()
+        out = torch.empty_like(q) if out is None else out
+        k_pool, v_pool = self.allocator.k_pools[layer], self.allocator.v_pools[layer]
+        if q.is_cuda:
+            runtime.run(self.launches(q, k_pool, v_pool, out), q.device)
+        else:
+            torch_path.tree_attention(self.arrays, q, k_pool, v_pool, self.tables,
+                                      self.lengths, self.sm_scale, out)
+        return out
+
+    def launches(self, q, k_pool, v_pool, out, arch: str | None = None) -> list[Launch]:
+        """The partial launch of each tile size, then the final launch (for ``arch``,
+        default the device's: the interpreter tests pass one for CPU tensors)."""
+        arch = arch or self.arch
+        if not self.num_branches:
+            return []
+        dtype = str(q.dtype).removeprefix("torch.")
+        scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads,
+                   self.allocator.num_kv_heads, self.allocator.block_size, self.tables.shape[1])
+        common = (q, k_pool, v_pool, self.tables)
+        launches = [
+            Launch(dispatch.tree_partial_spec(dtype, self.head_dim, block_m, arch),
+                   (records.shape[0], self.allocator.num_kv_heads, 1),
+                   common + (self._order, items, self._entry_slot, self.partial_out,
+                             self.partial_lse) + scalars)
+            for (block_m, records), items in zip(self.arrays.items.items(), self._items)
+            if records.shape[0]]
+        tiles = self.allocator.num_kv_heads * dispatch.decode_tiles_per_kv_head(
+            self.num_qo_heads, self.allocator.num_kv_heads)
+        launches.append(Launch(
+            dispatch.tree_final_spec(dtype, self.head_dim, arch), (self.num_branches, tiles, 1),
+            common + (self.lengths, self._final_start, self._merge_ptr, self.partial_out,
+                      self.partial_lse, out) + scalars))
+        return launches
+
+    def _upload_work_lists(self, device: torch.device) -> None:
+        """One host-to-device copy of every int32 list. Each gets a slot of a multiple of 4
+        words, at least 4: every pointer is valid, distinct and 16-byte aligned."""
+        arrays = self.arrays
+        parts = [arrays.order, arrays.final_start, arrays.merge_ptr, arrays.entry_slot,
+                 *(records.ravel() for records in arrays.items.values())]
+        slots = [max(4, -(-p.size // 4) * 4) for p in parts]
+        flat = np.zeros(sum(slots), np.int32)
+        offsets = np.cumsum(slots) - slots
+        for part, offset in zip(parts, offsets):
+            flat[offset:offset + part.size] = part
+        self._work = torch.from_numpy(flat).to(device)
+        (self._order, self._final_start, self._merge_ptr, self._entry_slot,
+         *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, offsets)]
+
+    def _validate(self, q, layer, out) -> None:
+        expected = (self.num_branches, self.num_qo_heads, self.head_dim)
+        if not isinstance(q, torch.Tensor) or tuple(q.shape) != expected:
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q must be [num_branches, num_qo_heads, head_dim] = {expected}, "
+                             f"got {got}")
+        check_tensor("q", q, self.allocator.dtype, self.allocator.device, "the allocator")
+        if isinstance(layer, bool) or not isinstance(layer, int) or \
+                not 0 <= layer < self.allocator.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.allocator.num_layers - 1}], "
+                             f"got {layer!r}")
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+                raise ValueError(f"out must have q's shape {expected}")
+            check_tensor("out", out, self.allocator.dtype, self.allocator.device,
+                         "the allocator")
+
+
+_plans: "weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple]" = weakref.WeakKeyDictionary()
+
+
+def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
+                   layer: int = 0, out: torch.Tensor | None = None,
+                   sm_scale: float | None = None) -> torch.Tensor:
+    """Decode attention of one query token per branch over its whole path in ``allocator``:
+    ``q`` is ``[len(branch_ids), num_qo_heads, head_dim]``; returns the same shape in q's
+    dtype. Shared tokens are read once for all the branches below them.
+
+    Keeps the last plan per allocator and reuses it while the branches, their tree and the
+    head count are unchanged (the layers of one step, and steps that only append). Engines
+    that want to control planning use :class:`TreeAttentionPlan` directly.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [num_branches, num_qo_heads, head_dim], got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+    ids = tuple(int(b) for b in branch_ids)
+    key = (ids, q.shape[1], sm_scale)
+    cached = _plans.get(allocator) if isinstance(allocator, PhysicalKVAllocator) else None
+    if cached is not None and cached[0] == key and \
+            cached[1].tree_version == allocator.tree_version:
+        try:
+            return cached[1].run(q, layer, out)
+        except StalePlan:  # the branches outgrew its tables: plan again
+            pass
+    plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale)
+    _plans[allocator] = (key, plan)
+    return plan.run(q, layer, out)
+
+
+def _check_heads(num_qo_heads, num_kv_heads: int) -> int:
+    if isinstance(num_qo_heads, bool) or not isinstance(num_qo_heads, int) or \
+            num_qo_heads < 1 or num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads must be a positive multiple of the allocator's "
+                         f"num_kv_heads ({num_kv_heads}), got {num_qo_heads!r}")
+    return num_qo_heads
+
+
+def _check_scale(sm_scale, head_dim: int) -> float:
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    return scale

@@ -1,0 +1,110 @@
+"""The planner on CPU: every branch's path is covered exactly once, tiles cover every row,
+and the cost model folds and computes the nodes it should."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flash_reasoning import PhysicalKVAllocator, planner
+from flash_reasoning.bench import case_allocator, load_cases
+from flash_reasoning.synthetic import random_branches
+
+H100 = dict(num_sms=132, dtype_bytes=2)
+
+
+def plan_for(alloc, ids, num_qo_heads, **kw):
+    tree = alloc.segment_tree(ids)
+    shape = planner.Shape(num_qo_heads, alloc.num_kv_heads, alloc.head_dim, **H100)
+    return tree, planner.plan(tree, shape, **kw)
+
+
+def coverage(tree, arrays):
+    """Per row: a count of how often each token position is read (chunks + final range)."""
+    count = np.zeros((tree.branch_ids.size, int(tree.lengths.max(initial=0)) + 1), np.int64)
+    for c in range(arrays.chunk_start.size):
+        rows = arrays.order[arrays.chunk_row_ptr[c]:arrays.chunk_row_ptr[c]
+                            + arrays.chunk_rows[c]]
+        count[rows, arrays.chunk_start[c]:arrays.chunk_end[c]] += 1
+    for b, length in enumerate(tree.lengths):
+        count[b, arrays.final_start[b]:length] += 1
+    return count
+
+
+def check_plan(tree, arrays, group):
+    count = coverage(tree, arrays)
+    for b, length in enumerate(tree.lengths):
+        assert (count[b, :length] == 1).all(), f"row {b}: positions read {count[b, :length]}"
+        assert (count[b, length:] == 0).all()
+    # Each branch merges exactly the slots its chunks' partials were stored in.
+    assert sorted(arrays.entry_slot.tolist()) == list(range(arrays.num_entries))
+    for b in range(tree.branch_ids.size):
+        slots = np.arange(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])
+        entries = np.flatnonzero(np.isin(arrays.entry_slot, slots))
+        chunk = np.searchsorted(arrays.chunk_entry0, entries, side="right") - 1
+        rows = [arrays.order[arrays.chunk_row_ptr[c] + e - arrays.chunk_entry0[c]]
+                for c, e in zip(chunk, entries)]
+        assert rows == [b] * len(slots)
+    # Tiles cover each chunk's (row, head) pairs exactly once.
+    seen = {}
+    for block_m, records in arrays.items.items():
+        for rec in records:
+            (table_row, start, end, row_ptr, rows, first, entry0, _) = rec.tolist()
+            for f in range(first, min(first + block_m, rows * group)):
+                key = (entry0 + f // group, f % group)
+                assert key not in seen
+                seen[key] = (start, end)
+    assert len(seen) == arrays.num_entries * group
+
+
+@settings(max_examples=60, deadline=None)
+@given(branches=st.integers(1, 40), depth=st.integers(1, 10), tokens=st.integers(0, 70),
+       group=st.sampled_from([1, 2, 4, 8, 16]), chunk=st.sampled_from([None, 64, 128]),
+       seed=st.integers(0, 2**16))
+def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, seed):
+    alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
+    ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=1 + seed % 2)
+    tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk)
+    check_plan(tree, arrays, group)
+
+
+def test_seed_b256_root_is_computed_once_and_leaves_fold():
+    case = next(c for c in load_cases()["cases"] if c["name"] == "seed_b256/q32kv8")
+    alloc, leaves = case_allocator(case, device="cpu")
+    tree, arrays = plan_for(alloc, leaves, 32)
+    assert arrays.stats["computed_nodes"] == 1
+    assert (arrays.final_start == 2048).all()          # each leaf's 64 tokens, own kernel
+    assert set(arrays.items) == {64}                   # 256 branches x 4 heads: wide tiles
+    check_plan(tree, arrays, 4)
+
+
+def test_deep_tree_folds_short_upper_levels():
+    case = next(c for c in load_cases()["cases"] if c["name"] == "ft_deep16/q32kv8")
+    alloc, leaves = case_allocator(case, device="cpu")
+    tree, arrays = plan_for(alloc, leaves, 32)
+    # 16-token nodes over up to 1024 branches: a partial per branch costs more than
+    # re-reading 16 tokens, so the upper levels fold into their children.
+    assert arrays.stats["computed_nodes"] < tree.num_nodes - len(leaves)
+    assert arrays.merge_ptr[-1] <= 2 * len(leaves)
+    check_plan(tree, arrays, 4)
+
+
+def test_no_sharing_splits_a_lone_long_branch():
+    alloc = PhysicalKVAllocator(2100, 16, 8, 128, device="cpu")
+    root = alloc.alloc_branch(32768).branch_id
+    tree, arrays = plan_for(alloc, [root], 32)
+    assert arrays.chunk_start.size > 16      # split so the 8 KV heads fill 132 SMs
+    check_plan(tree, arrays, 4)
+
+
+def test_empty_branches_plan_to_empty_ranges():
+    alloc = PhysicalKVAllocator(10, 4, 1, 8, device="cpu")
+    ids = [alloc.alloc_branch(0).branch_id for _ in range(3)]
+    tree, arrays = plan_for(alloc, ids, 4)
+    assert arrays.num_entries == 0 and (arrays.final_start == 0).all()
+
+
+@pytest.mark.parametrize("depth", [1, 3, 40])
+def test_depths_by_pointer_jumping(depth):
+    parent = np.arange(-1, depth - 1)
+    assert planner._depths(parent).tolist() == list(range(depth))

@@ -1,0 +1,248 @@
+"""tree_attention and TreeAttentionPlan: the kernels (interpreter on CPU, real on the GPU)
+and the PyTorch path against the float64 reference; plan reuse, staleness, bad input."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import HAS_GPU, gpu, interpreter, poisoned_like
+from flash_reasoning import (PhysicalKVAllocator, StalePlan, TreeAttentionPlan, UnknownBranch,
+                             reference, tree_attention)
+from flash_reasoning.bench import case_allocator, load_cases
+from flash_reasoning.synthetic import random_branches, random_kv
+from flash_reasoning.tree import build_branches, from_levels
+
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def forest(device, num_kv_heads=2, head_dim=64, dtype=torch.float16, branches=12, depth=4,
+           tokens=40, seed=0, block_size=8, layers=1, roots=1):
+    alloc = PhysicalKVAllocator(branches * (tokens // block_size + 3) + 8, block_size,
+                                num_kv_heads, head_dim, num_layers=layers, dtype=dtype,
+                                device=device)
+    ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=roots)
+    return alloc, ids
+
+
+def queries(alloc, ids, num_qo_heads, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(ids), num_qo_heads, alloc.head_dim, generator=gen)
+    return q.to(alloc.dtype).to(alloc.device)
+
+
+def check(out, q, alloc, ids, layer=0, sm_scale=None):
+    ref = reference.tree_attention(q, alloc, ids, layer, sm_scale)
+    err = reference.relative_error(out, ref)
+    assert err < reference.TOLERANCE[q.dtype], f"relative error {err}"
+
+
+def interpret(alloc, ids, q, **plan_kw):
+    from aot.interpret import run_interpreted
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], num_sms=4, **plan_kw)
+    out = poisoned_like(q)
+    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out, arch="sm90"))
+    return plan, out
+
+
+# ---- the kernels in Triton's interpreter ------------------------------------------------------
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (8, 2), (16, 1)])   # groups 1, 2, 4, 16
+def test_kernels_interpreted(dtype, heads):
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=200, seed=heads[0])
+    q = queries(alloc, ids, heads[0])
+    plan, out = interpret(alloc, ids, q, target_chunk=64)
+    assert plan.arrays.num_entries > 0           # partials and merges were exercised
+    check(out, q, alloc, ids)
+
+
+@interpreter
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_kernels_interpreted_head_dims(head_dim):
+    alloc, ids = forest("cpu", head_dim=head_dim, branches=5, tokens=30, seed=head_dim)
+    q = queries(alloc, ids, 8)
+    check(interpret(alloc, ids, q)[1], q, alloc, ids)
+
+
+@interpreter
+def test_kernels_interpreted_wide_tiles_and_group_32():
+    """A node under 40 branches x group 4 takes the 64-row tile; group 32 needs two final
+    tiles per KV head."""
+    alloc = PhysicalKVAllocator(160, 8, 1, 64, device="cpu")
+    spec = from_levels([1, 40], [300, 3])
+    gen = torch.Generator().manual_seed(0)
+    leaves = build_branches(alloc, spec, lambda node, layer, n: random_kv(alloc, gen, n))
+    for heads in (4, 32):
+        q = queries(alloc, leaves, heads)
+        plan, out = interpret(alloc, leaves, q)
+        assert 64 in plan.arrays.items
+        check(out, q, alloc, leaves)
+
+
+# ---- the PyTorch path (the same plan, on CPU) -------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(branches=st.integers(1, 30), depth=st.integers(1, 10), tokens=st.integers(0, 50),
+       group=st.sampled_from([1, 2, 4, 8, 16]), dtype=st.sampled_from(DTYPES),
+       chunk=st.sampled_from([None, 64]), seed=st.integers(0, 2**16))
+def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, seed):
+    alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, dtype=dtype, branches=branches,
+                        depth=depth, tokens=tokens, seed=seed, block_size=4,
+                        roots=1 + seed % 3)
+    q = queries(alloc, ids, group, seed)
+    out = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk).run(q, 0,
+                                                                       poisoned_like(q))
+    check(out, q, alloc, ids)
+
+
+def test_plan_follows_decode_steps_and_rejects_a_changed_tree():
+    alloc, ids = forest("cpu", layers=2, seed=3)
+    plan = TreeAttentionPlan(alloc, ids, 4)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):                     # steps only grow the branches: the plan holds
+        step = alloc.reserve(ids)
+        for layer in range(2):
+            alloc.append(step, layer, *random_kv(alloc, gen, len(ids)))
+            q = queries(alloc, ids, 4, seed=layer)
+            check(plan.run(q, layer), q, alloc, ids, layer)
+    alloc.alloc_branch(alloc.length(ids[0]), parent_branch_id=ids[0])
+    with pytest.raises(StalePlan, match="fork"):
+        plan.run(queries(alloc, ids, 4))
+
+
+def test_overwrite_makes_plans_stale():
+    alloc, ids = forest("cpu", seed=4)
+    plan = TreeAttentionPlan(alloc, ids, 4)
+    alloc.write(ids[0], 0, *random_kv(alloc, torch.Generator(), 1), start=0)
+    with pytest.raises(StalePlan):
+        plan.run(queries(alloc, ids, 4))
+
+
+def test_tree_attention_reuses_its_plan_across_layers():
+    from flash_reasoning.ops.tree_attention import _plans
+    alloc, ids = forest("cpu", layers=2, seed=5)
+    q = queries(alloc, ids, 4)
+    for layer in (0, 1):
+        check(tree_attention(q, alloc, ids, layer=layer), q, alloc, ids, layer)
+    first = _plans[alloc][1]
+    tree_attention(q, alloc, ids, layer=1)
+    assert _plans[alloc][1] is first
+
+
+def test_sm_scale_and_out():
+    alloc, ids = forest("cpu", seed=6)
+    q = queries(alloc, ids, 4)
+    out = poisoned_like(q)
+    assert tree_attention(q, alloc, ids, out=out, sm_scale=0.3) is out
+    check(out, q, alloc, ids, sm_scale=0.3)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda a, ids, q: (q.float(), ids, 0), TypeError, "q must be torch.float16, got"),
+    (lambda a, ids, q: (q[:-1], ids, 0), ValueError, "q must be"),
+    (lambda a, ids, q: (q[:, :3], ids, 0), ValueError, "multiple of"),
+    (lambda a, ids, q: (q, ids, 1), ValueError, "layer"),
+    (lambda a, ids, q: (q, ids[:-1] + [999], 0), UnknownBranch, "999"),
+    (lambda a, ids, q: (q, ids[:-1] + ids[:1], 0), ValueError, "distinct"),
+    (lambda a, ids, q: (q.transpose(1, 2).contiguous().transpose(1, 2), ids, 0), ValueError,
+     "contiguous"),
+])
+def test_bad_input_is_rejected_without_state_change(bad, error, match):
+    alloc, ids = forest("cpu", seed=7)
+    q = queries(alloc, ids, 4)
+    before = (alloc.tree_version, alloc.table_version, alloc.memory_report())
+    args = bad(alloc, ids, q)
+    with pytest.raises(error, match=match):
+        tree_attention(args[0], alloc, args[1], layer=args[2])
+    assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
+
+
+def test_non_finite_scale_is_rejected():
+    alloc, ids = forest("cpu", seed=8)
+    with pytest.raises(ValueError, match="sm_scale"):
+        TreeAttentionPlan(alloc, ids, 4, sm_scale=float("nan"))
+
+
+# ---- on the GPU -------------------------------------------------------------------------------
+
+@gpu
+@settings(max_examples=40, deadline=None)
+@given(branches=st.integers(1, 300), depth=st.integers(1, 10), tokens=st.integers(0, 300),
+       group=st.sampled_from([1, 2, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed):
+    kv_heads = 2 if head_dim == 256 else 4
+    alloc, ids = forest("cuda", num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                        branches=branches, depth=depth, tokens=tokens, seed=seed,
+                        block_size=16, roots=1 + seed % 2)
+    q = queries(alloc, ids, group * kv_heads, seed)
+    out = TreeAttentionPlan(alloc, ids, q.shape[1]).run(q, 0, poisoned_like(q))
+    check(out, q, alloc, ids)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["seed_b256/q32kv8", "seed_b1/q16kv1", "ft_deep16/q32kv32",
+                                  "ft_1,4,16,512/q32kv8", "long_1,4/q32kv8",
+                                  "flat_64x2048/q16kv1"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_cases(name, dtype):
+    case = dict(next(c for c in load_cases()["cases"] if c["name"] == name), dtype=dtype)
+    alloc, leaves = case_allocator(case)
+    q = queries(alloc, leaves, case["num_qo_heads"])
+    check(tree_attention(q, alloc, leaves, out=poisoned_like(q)), q, alloc, leaves)
+
+
+@gpu
+def test_gpu_1024_branches_and_edge_lengths():
+    """1024 branches: empty ones, length 1, exact block multiples, forks at 0."""
+    alloc = PhysicalKVAllocator(6000, 16, 8, 128, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    root = alloc.alloc_branch(0).branch_id
+    alloc.write(root, 0, *random_kv(alloc, gen, 64))
+    ids = []
+    for i in range(1024):
+        position = (0, 1, 16, 64, 37)[i % 5]
+        child = alloc.alloc_branch(position, parent_branch_id=root,
+                                   fork_position=position).branch_id
+        alloc.write(child, 0, *random_kv(alloc, gen, (0, 1, 16, 32, 5)[i % 5]),
+                    start=position)
+        ids.append(child)
+    q = queries(alloc, ids, 32)
+    check(tree_attention(q, alloc, ids, out=poisoned_like(q)), q, alloc, ids)
+
+
+@gpu
+def test_gpu_plan_run_in_a_cuda_graph_after_decode_steps():
+    alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=64, tokens=200,
+                        block_size=16)
+    q = queries(alloc, ids, 32)
+    plan = TreeAttentionPlan(alloc, ids, 32)
+    out = torch.empty_like(q)
+    plan.run(q, 0, out)                    # warm: load the cubins outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, 0, out)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        alloc.append(ids, 0, *random_kv(alloc, gen, len(ids)))
+        plan.refresh()
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, q, alloc, ids)
+        assert torch.equal(out, plan.run(q, 0))
+
+
+@gpu
+def test_gpu_matches_paged_decode_without_sharing():
+    alloc = PhysicalKVAllocator(600, 16, 8, 128, device="cuda")
+    gen = torch.Generator().manual_seed(2)
+    ids = []
+    for length in (1, 15, 16, 17, 300, 2000, 0, 4096):
+        branch = alloc.alloc_branch(0).branch_id
+        alloc.write(branch, 0, *random_kv(alloc, gen, length))
+        ids.append(branch)
+    q = queries(alloc, ids, 32)
+    out = tree_attention(q, alloc, ids)
+    check(out, q, alloc, ids)
+    assert torch.equal(out[6], torch.zeros_like(out[6]))
