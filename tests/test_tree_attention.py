@@ -38,9 +38,9 @@ def check(out, q, alloc, ids, layer=0, sm_scale=None):
 
 def interpret(alloc, ids, q, **plan_kw):
     from aot.interpret import run_interpreted
-    plan = TreeAttentionPlan(alloc, ids, q.shape[1], num_sms=4, **plan_kw)
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], num_sms=4, arch="sm90", **plan_kw)
     out = poisoned_like(q)
-    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out, arch="sm90"))
+    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
     return plan, out
 
 

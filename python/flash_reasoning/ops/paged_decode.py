@@ -92,7 +92,7 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
         if pool.dim() != 4 or pool.shape[3] != head_dim:
             raise ValueError(f"{name} must be [num_blocks, block_size, num_kv_heads, {head_dim}]"
                              f", got {tuple(pool.shape)}")
-        _check_like(name, pool, q.dtype, q.device)
+        check_tensor(name, pool, q.dtype, q.device, "q")
     if k_pool.shape != v_pool.shape:
         raise ValueError(f"k_pool {tuple(k_pool.shape)} and v_pool {tuple(v_pool.shape)} differ")
     if num_qo_heads % k_pool.shape[2]:
@@ -101,19 +101,15 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks], "
                          f"got {tuple(block_tables.shape)}")
-    _check_like("block_tables", block_tables, torch.int32, q.device)
+    check_tensor("block_tables", block_tables, torch.int32, q.device, "q")
     if tuple(seq_lens.shape) != (num_seqs,):
         raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
-    _check_like("seq_lens", seq_lens, torch.int32, q.device)
-    _check_like("q", q, q.dtype, q.device)
+    check_tensor("seq_lens", seq_lens, torch.int32, q.device, "q")
+    check_tensor("q", q, q.dtype, q.device, "q")
     if out is not None:
         if out.shape != q.shape:
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
-        _check_like("out", out, q.dtype, q.device)
-
-
-def _check_like(name, t, dtype, device) -> None:
-    check_tensor(name, t, dtype, device, owner="q")
+        check_tensor("out", out, q.dtype, q.device, "q")
 
 
 def _check_lengths_fit(block_tables, seq_lens, page_size) -> None:

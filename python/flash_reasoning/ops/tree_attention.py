@@ -44,7 +44,8 @@ class TreeAttentionPlan:
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                  num_qo_heads: int, sm_scale: float | None = None,
-                 target_chunk: int | None = None, num_sms: int | None = None) -> None:
+                 target_chunk: int | None = None, num_sms: int | None = None,
+                 arch: str | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -59,7 +60,8 @@ class TreeAttentionPlan:
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
         self.tree_version = allocator.tree_version
-        self.arch = runtime.arch_of(device.index) if device.type == "cuda" else None
+        # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
+        self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
                               allocator.k_pools[0].element_size(),
                               num_sms or (runtime.num_sms(device.index)
@@ -77,6 +79,7 @@ class TreeAttentionPlan:
         self.lengths = torch.zeros(self.branch_ids.size, dtype=torch.int32, device=device)
         self._table_version = None
         self.refresh()
+        self._templates = self._launch_templates() if self.arch else []
 
     @property
     def num_branches(self) -> int:
@@ -115,30 +118,33 @@ class TreeAttentionPlan:
                                       self.lengths, self.sm_scale, out)
         return out
 
-    def launches(self, q, k_pool, v_pool, out, arch: str | None = None) -> list[Launch]:
-        """The partial launch of each tile size, then the final launch (for ``arch``,
-        default the device's: the interpreter tests pass one for CPU tensors)."""
-        arch = arch or self.arch
+    def launches(self, q, k_pool, v_pool, out) -> list[Launch]:
+        """The partial launch of each tile size, then the final launch: the templates built
+        with the plan, completed with this call's tensors."""
+        return [Launch(spec, grid, (q, k_pool, v_pool) + middle + ((out,) if with_out else ())
+                       + self._scalars) for spec, grid, middle, with_out in self._templates]
+
+    def _launch_templates(self) -> list[tuple]:
+        """(spec, grid, arguments after q/k_pool/v_pool, whether ``out`` follows) of each
+        launch: everything but the per-call tensors is fixed when the plan is built."""
         if not self.num_branches:
             return []
-        dtype = str(q.dtype).removeprefix("torch.")
-        scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads,
-                   self.allocator.num_kv_heads, self.allocator.block_size, self.tables.shape[1])
-        common = (q, k_pool, v_pool, self.tables)
-        launches = [
-            Launch(dispatch.tree_partial_spec(dtype, self.head_dim, block_m, arch),
-                   (records.shape[0], self.allocator.num_kv_heads, 1),
-                   common + (self._order, items, self._entry_slot, self.partial_out,
-                             self.partial_lse) + scalars)
-            for (block_m, records), items in zip(self.arrays.items.items(), self._items)
-            if records.shape[0]]
-        tiles = self.allocator.num_kv_heads * dispatch.decode_tiles_per_kv_head(
-            self.num_qo_heads, self.allocator.num_kv_heads)
-        launches.append(Launch(
-            dispatch.tree_final_spec(dtype, self.head_dim, arch), (self.num_branches, tiles, 1),
-            common + (self.lengths, self._final_start, self._merge_ptr, self.partial_out,
-                      self.partial_lse, out) + scalars))
-        return launches
+        dtype = str(self.allocator.dtype).removeprefix("torch.")
+        kv_heads = self.allocator.num_kv_heads
+        self._scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
+                         self.allocator.block_size, self.tables.shape[1])
+        templates = [
+            (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch),
+             (records.shape[0], kv_heads, 1),
+             (self.tables, self._order, items, self._entry_slot, self.partial_out,
+              self.partial_lse), False)
+            for (block_m, records), items in zip(self.arrays.items.items(), self._items)]
+        tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
+        templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch),
+                          (self.num_branches, tiles, 1),
+                          (self.tables, self.lengths, self._final_start, self._merge_ptr,
+                           self.partial_out, self.partial_lse), True))
+        return templates
 
     def _upload_work_lists(self, device: torch.device) -> None:
         """One host-to-device copy of every int32 list. Each gets a slot of a multiple of 4
@@ -190,18 +196,23 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be [num_branches, num_qo_heads, head_dim], got "
                          f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
-    ids = tuple(int(b) for b in branch_ids)
-    key = (ids, q.shape[1], sm_scale)
+    ids = np.asarray(branch_ids)
     cached = _plans.get(allocator) if isinstance(allocator, PhysicalKVAllocator) else None
-    if cached is not None and cached[0] == key and \
-            cached[1].tree_version == allocator.tree_version:
+    if cached is not None and cached[0] == (q.shape[1], sm_scale) and _same_ids(cached[1], ids) \
+            and cached[1].tree_version == allocator.tree_version:
         try:
             return cached[1].run(q, layer, out)
         except StalePlan:  # the branches outgrew its tables: plan again
             pass
     plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale)
-    _plans[allocator] = (key, plan)
+    _plans[allocator] = ((q.shape[1], sm_scale), plan)
     return plan.run(q, layer, out)
+
+
+def _same_ids(plan: TreeAttentionPlan, ids: np.ndarray) -> bool:
+    """Whether ``ids`` are the plan's branches, in order (vectorised: no loop per branch)."""
+    return ids.dtype.kind in "iu" and ids.shape == plan.branch_ids.shape and \
+        bool((ids == plan.branch_ids).all())
 
 
 def _check_heads(num_qo_heads, num_kv_heads: int) -> int:
