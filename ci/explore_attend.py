@@ -79,9 +79,16 @@ SHAPES = [  # name, items, tokens, shared, block_m
     ("root 64 tiles x 512 (BM64)", 64, 512, True, 64),
     ("leaves 256 x 64", 256, 64, False, 16),
     ("leaves 1024 x 32", 1024, 32, False, 16),
+    ("leaves 2048 x 8", 2048, 8, False, 16),
     ("one range x 2048, 1 head", 1, 2048, False, 16),
     ("64 x 512", 64, 512, False, 16),
+    ("64 x 2048", 64, 2048, False, 16),
 ]
+CONFIGS = {  # block_m -> (block_n, warps, stages)
+    16: ((64, 4, 2), (64, 4, 3), (64, 4, 1), (64, 2, 1), (64, 2, 2), (32, 2, 1), (32, 4, 1),
+         (32, 2, 2), (16, 2, 1), (128, 4, 2), (128, 4, 1)),
+    64: ((64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 3), (128, 8, 2), (64, 4, 4)),
+}
 
 
 def main() -> None:
@@ -89,8 +96,8 @@ def main() -> None:
         kv_heads = 1 if name.endswith("1 head") else 8
         q, k, v, tables, ranges, out, lse = problem(items, tokens, shared, kv_heads, block_m)
         cells = []
-        for variant in (0, 1, 2):
-            for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 4, 4)):
+        for variant in (0, 2):
+            for block_n, warps, stages in CONFIGS[block_m]:
                 def call():
                     variant_kernel[(items, kv_heads)](
                         q, k, v, tables, ranges, out, lse, 0.1, kv_heads, 16,

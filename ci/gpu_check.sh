@@ -20,6 +20,9 @@ log=host.log   step "allocator host cost" python3 benchmarks/allocator_host_cost
 if [ -n "${EXPLORE_TREE:-}" ]; then
   log=explore_tree.log step "explore tree planner" env PYTHONPATH=. python3 ci/explore_tree.py || status=1
 fi
+if [ -n "${EXPLORE_ATTEND:-}" ]; then
+  log=attend.log step "explore attention loop variants" env PYTHONPATH=. python3 ci/explore_attend.py || status=1
+fi
 if [ "${AOT_GRID:-}" = wide ]; then
   log=explore.log step "explore decode configs" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
 fi

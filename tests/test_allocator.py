@@ -42,7 +42,7 @@ def snapshot(alloc):
               ("_tables", "_lengths", "_refcount", "_fill", "_free", "_row_of")}
     rest = (alloc._free_top, alloc._next_id, sorted(alloc._branches), dict(alloc._lineage),
             dict(alloc._live_parent), {b: set(c) for b, c in alloc._live_children.items()},
-            list(alloc._free_rows))
+            alloc._free_rows[:alloc._free_rows_top].tolist())
     pools = [p.clone() for p in alloc._pools]
     return arrays, rest, pools
 
@@ -137,17 +137,27 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.parent[branch.branch_id] = None
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), boundary=st.booleans(), extra=st.integers(0, 6))
-    def fork(self, data, boundary, extra):
+    @rule(data=st.data(), boundary=st.booleans(), extra=st.integers(0, 6),
+          count=st.sampled_from([None, 0, 1, 2, 3]))
+    def fork(self, data, boundary, extra, count):
+        """``count`` None: one ``alloc_branch``; else one ``alloc_branches(count, ...)``."""
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
         length = len(self.tokens[parent][0])
         choices = [p for p in range(length + 1) if (p % BS == 0) == boundary] or [length]
         position = data.draw(st.sampled_from(choices))
         made = []
-        ok = self.attempt(lambda: made.append(self.alloc.alloc_branch(
-            position + extra, parent_branch_id=parent, fork_position=position)))
-        if ok:
-            child = made[0]
+        if count is None:
+            call = lambda: made.append(self.alloc.alloc_branch(  # noqa: E731
+                position + extra, parent_branch_id=parent, fork_position=position))
+        else:
+            call = lambda: made.extend(self.alloc.alloc_branches(  # noqa: E731
+                count, position + extra, parent_branch_id=parent, fork_position=position))
+        if not self.attempt(call):
+            return
+        assert len(made) == (1 if count is None else count)
+        first = made[0].branch_id if made else 0
+        assert [c.branch_id for c in made] == list(range(first, first + len(made)))
+        for child in made:
             assert (child.parent_id, child.fork_position, child.length) == (
                 parent, position, position + extra)
             self.tokens[child.branch_id] = [t[:position] + [0.0] * extra
@@ -351,6 +361,11 @@ K1 = token_rows([1])
     (lambda a, r, c: a.alloc_branch(-1), ValueError, "num_tokens must be >= 0"),
     (lambda a, r, c: a.alloc_branch(2.5), TypeError, "num_tokens must be an int"),
     (lambda a, r, c: a.alloc_branch(2, fork_position=1), ValueError, "parent_branch_id"),
+    (lambda a, r, c: a.alloc_branches(-1, 5, r), ValueError, "count must be >= 0"),
+    (lambda a, r, c: a.alloc_branches(2.0, 5, r), TypeError, "count must be an int"),
+    (lambda a, r, c: a.alloc_branches(2, 5, 99), UnknownBranch, "99"),
+    (lambda a, r, c: a.alloc_branches(2, 3, r, 4), ValueError, "num_tokens .* >= fork_pos"),
+    (lambda a, r, c: a.alloc_branches(7, 6, r, 3), PoolExhausted, "needs 7 free blocks"),
     (lambda a, r, c: a.write(r, 2, *K1), ValueError, "layer must lie in \\[0, 1\\]"),
     (lambda a, r, c: a.write(r, 0, *K1, start=6), ValueError, "start must lie in \\[0, 5\\]"),
     (lambda a, r, c: a.write(r, 0, K1[0].half(), K1[1].half()), TypeError, "torch.float32"),
@@ -360,6 +375,8 @@ K1 = token_rows([1])
     (lambda a, r, c: a.reserve([r, r]), ValueError, "distinct"),
     (lambda a, r, c: a.reserve([r, 12]), UnknownBranch, "12"),
     (lambda a, r, c: a.reserve([[r]]), TypeError, "1-D sequence of ints"),
+    (lambda a, r, c: a.reserve([float(r)]), TypeError, "1-D sequence of ints"),
+    (lambda a, r, c: a.reserve([True]), TypeError, "1-D sequence of ints"),
     (lambda a, r, c: a.append([r], 0, *K1), ValueError, "reserve"),
     (lambda a, r, c: a.free_branch(5), UnknownBranch, "5"),
     (lambda a, r, c: a.prune(-1), UnknownBranch, "-1"),

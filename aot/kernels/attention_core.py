@@ -30,13 +30,19 @@ def attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, start, e
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    # Each tile's page ids are loaded one iteration ahead: read in the tile's own iteration,
+    # the page table is a third dependent DRAM round trip before K and V (docs/perf.md).
+    page = tl.load(table + (start + offs) // page_size, mask=start + offs < end, other=0)
     for n0 in tl.range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
+        n = n0 + offs
         n_ok = n < end
-        page = tl.load(table + n // page_size, mask=n_ok, other=0)
         kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
         kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        ahead = n + BLOCK_N
+        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
         s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid key (n0 < end), so m_new is finite.
@@ -44,7 +50,6 @@ def attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, start, e
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return m_i, l_i, acc

@@ -23,14 +23,41 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-def decode_config(head_dim: int, arch: str) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the paged decode kernel.
+#: Decode-tile configs (BLOCK_N, num_warps, num_stages) for ranges of at most this many
+#: tokens: a short range is mostly fixed cost, so small tiles that let many programs share an
+#: SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; docs/perf.md).
+SHORT_RANGE_CONFIGS = ((16, (16, 2, 1)), (32, (32, 2, 2)))
+#: Many programs over longer ranges: two stages (more programs per SM) beat three.
+LONG_RANGE_CONFIG = (64, 4, 2)
+#: Few programs (a split decode): nothing else hides a lone program's latency, so a deeper
+#: pipeline (one range of 2048 tokens: 50.7 us at 64/4/3, 60.7 at 64/4/2).
+FEW_PROGRAMS_CONFIG = (64, 4, 3)
 
-    The best of ``aot.grid.DECODE_CANDIDATES`` on the H100 (docs/perf.md, 2026-11-21); sm80
-    and sm89 use the same until they are measured.
+
+def decode_config(head_dim: int, arch: str, max_tokens: int | None = None,
+                  few_programs: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a decode-tile kernel (``paged_decode``,
+    ``tree_final``, the narrow ``tree_partial``) whose programs walk at most ``max_tokens``
+    tokens each (``None``: unknown, long).
+
+    From the H100 sweep of ``ci/explore_attend.py`` (docs/perf.md); sm80 and sm89 use the
+    same until they are measured, head_dim 256 keeps its measured config.
     """
     del arch
-    return (64, 8, 2) if head_dim == 256 else (64, 4, 3)
+    if head_dim == 256:
+        return (64, 8, 2)
+    if few_programs:
+        return FEW_PROGRAMS_CONFIG
+    for bound, config in SHORT_RANGE_CONFIGS:
+        if max_tokens is not None and max_tokens <= bound:
+            return config
+    return LONG_RANGE_CONFIG
+
+
+def range_configs(head_dim: int, arch: str) -> list[tuple[int, int, int]]:
+    """Every config :func:`decode_config` returns for many programs, whatever the range."""
+    bounds = [None] + [bound for bound, _ in SHORT_RANGE_CONFIGS]
+    return list(dict.fromkeys(decode_config(head_dim, arch, b) for b in bounds))
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -50,7 +77,7 @@ def decode_spec(dtype: str, head_dim: int, split: bool, arch: str,
     heuristic (a tuning run times each compiled candidate this way)."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    block_n, warps, stages = config or decode_config(head_dim, arch)
+    block_n, warps, stages = config or decode_config(head_dim, arch, few_programs=split)
     return make_spec(PAGED_DECODE, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
                      BLOCK_N=block_n, SPLIT=int(split))
 
@@ -77,15 +104,18 @@ def tree_block_m(flat_rows: int) -> int:
     return TREE_BLOCK_MS[0] if flat_rows <= TREE_BLOCK_MS[0] else TREE_BLOCK_MS[1]
 
 
-def tree_partial_config(head_dim: int, block_m: int, arch: str) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of ``tree_partial``: the decode config for the
-    decode tile; the wide tile doubles the warps at head_dim 256 (its accumulator). Guesses
-    until the tuner measures them (docs/perf.md)."""
+def tree_partial_config(head_dim: int, block_m: int, arch: str,
+                        max_tokens: int | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of ``tree_partial`` for items of at most
+    ``max_tokens``: the decode config for the decode tile. The wide tile walks long shared
+    ranges with three stages (H100: 16 tiles x 2048 tokens 49.0 us, 57.6 at two); it
+    doubles the warps at head_dim 256 (its accumulator). sm89 has 99 KB of shared memory
+    per block: one stage less."""
     if block_m == BLOCK_M:
-        return decode_config(head_dim, arch)
-    if head_dim == 256:  # sm89 has 99 KB of shared memory per block: one stage fits
+        return decode_config(head_dim, arch, max_tokens)
+    if head_dim == 256:
         return (64, 8, 1) if arch == "sm89" else (64, 8, 2)
-    return (64, 4, 2)
+    return (64, 4, 2) if arch == "sm89" else (64, 4, 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +133,8 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
 @functools.lru_cache(maxsize=None)
 def tree_final_spec(dtype: str, head_dim: int, arch: str,
                     config: tuple[int, int, int] | None = None) -> Spec:
-    """One branch's GQA group per program, like the decode kernel, with its config."""
+    """One branch's GQA group per program, like the decode kernel; ``config`` from
+    :func:`decode_config` for the plan's longest final range."""
     check_dtype(dtype)
     check_head_dim(head_dim)
     block_n, warps, stages = config or decode_config(head_dim, arch)
@@ -116,11 +147,14 @@ def required_specs(arch: str) -> list[Spec]:
     specs = [append_spec()]
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
-            specs += [decode_spec(dtype, head_dim, split, arch) for split in (False, True)]
+            configs = range_configs(head_dim, arch)
+            specs += [decode_spec(dtype, head_dim, False, arch, c) for c in configs]
+            specs.append(decode_spec(dtype, head_dim, True, arch))
             specs.append(merge_spec(dtype, head_dim))
-            specs += [tree_partial_spec(dtype, head_dim, bm, arch) for bm in TREE_BLOCK_MS]
-            specs.append(tree_final_spec(dtype, head_dim, arch))
-    return specs
+            specs.append(tree_partial_spec(dtype, head_dim, TREE_BLOCK_MS[1], arch))
+            specs += [tree_partial_spec(dtype, head_dim, BLOCK_M, arch, c) for c in configs]
+            specs += [tree_final_spec(dtype, head_dim, arch, c) for c in configs]
+    return list(dict.fromkeys(specs))
 
 
 def decode_tiles_per_kv_head(num_qo_heads: int, num_kv_heads: int) -> int:

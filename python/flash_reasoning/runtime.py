@@ -77,9 +77,19 @@ def _launcher_for(device_index: int):
 def run(launches: Sequence[Launch], device: torch.device) -> None:
     """Launch each in order on the current stream of ``device``; no sync, no allocation."""
     launcher = _launcher_for(device.index)
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = _current_raw_stream(device.index)
     for launch in launches:
         launcher.launch(launch.spec.name, launch.grid, [_raw(a) for a in launch.args], stream)
+
+
+def _current_raw_stream(device_index: int) -> int:
+    """The cudaStream_t of torch's current stream: the private call torch's own generated
+    code uses costs 0.1 us on the H100 host, ``torch.cuda.current_stream().cuda_stream``
+    3.6 us."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _raw(arg):

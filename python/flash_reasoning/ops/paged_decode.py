@@ -63,6 +63,8 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
     capacity = block_tables.shape[1] * page_size  # an upper bound on every length, no sync
     if num_splits is None:
         num_splits = dispatch.num_splits(num_seqs, tiles, capacity, num_sms)
+    config = config or dispatch.decode_config(head_dim, arch, math.ceil(capacity / num_splits),
+                                              few_programs=num_splits > 1)
     spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config)
     block_n = dict(spec.constexprs)["BLOCK_N"]
     tokens_per_split = math.ceil(math.ceil(capacity / num_splits) / block_n) * block_n

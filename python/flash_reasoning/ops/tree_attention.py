@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .. import dispatch, planner, runtime, torch_path
+from .. import dispatch, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import Launch
 from .checks import check_tensor
@@ -59,6 +59,7 @@ class TreeAttentionPlan:
             dispatch.check_head_dim(self.head_dim)
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
+        self._lengths_at_plan = tree.lengths
         self.tree_version = allocator.tree_version
         # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
         self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
@@ -134,17 +135,27 @@ class TreeAttentionPlan:
         self._scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
                          self.allocator.block_size, self.tables.shape[1])
         templates = [
-            (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch),
+            (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch,
+                                        self._partial_config(block_m, records)),
              (records.shape[0], kv_heads, 1),
              (self.tables, self._order, items, self._entry_slot, self.partial_out,
               self.partial_lse), False)
             for (block_m, records), items in zip(self.arrays.items.items(), self._items)]
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
-        templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch),
+        final_tokens = int((self._lengths_at_plan - self.arrays.final_start).max())
+        final_config = dispatch.decode_config(self.head_dim, self.arch, final_tokens)
+        templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
                           (self.tables, self.lengths, self._final_start, self._merge_ptr,
                            self.partial_out, self.partial_lse), True))
         return templates
+
+    def _partial_config(self, block_m: int, records: np.ndarray) -> tuple[int, int, int]:
+        """The config for these items: by their longest range (decode tile only)."""
+        fields = specializations.TREE_ITEM_FIELDS
+        lengths = records[:, fields.index("kv_end")] - records[:, fields.index("kv_start")]
+        return dispatch.tree_partial_config(self.head_dim, block_m, self.arch,
+                                            int(lengths.max(initial=0)))
 
     def _upload_work_lists(self, device: torch.device) -> None:
         """One host-to-device copy of every int32 list. Each gets a slot of a multiple of 4
