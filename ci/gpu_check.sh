@@ -15,7 +15,16 @@ status=0
 log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
 log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider || status=1
-log=bench.log  step "bench" python3 -m flash_reasoning.cli bench ${BENCH_ARGS:-} || status=1
+log=info.log   step "info" python3 -m flash_reasoning.cli info || status=1
+log=bench.log  step "bench" python3 -m flash_reasoning.cli bench --json "$OUT/bench.json" \
+    ${BENCH_ARGS:-} || status=1
+if python3 -c "import matplotlib" 2>/dev/null; then  # else: flash-reasoning plot bench.json
+  log=bench.log step "plot" python3 -m flash_reasoning.cli plot "$OUT/bench.json" \
+      "$OUT/bench.png" || status=1
+fi
+log=demo.log   step "demo" python3 -m flash_reasoning.cli demo --check --steps 24 \
+    --prefix 2048 --width 64 --layers 8 --num-qo-heads 32 --num-kv-heads 8 --head-dim 128 \
+    || status=1
 log=host.log   step "allocator host cost" python3 benchmarks/allocator_host_cost.py || status=1
 if [ -n "${EXPLORE_TREE:-}" ]; then
   log=explore_tree.log step "explore tree planner" env PYTHONPATH=. python3 ci/explore_tree.py || status=1
