@@ -48,17 +48,19 @@ def time_forks(alloc: PhysicalKVAllocator, root: int, reps: int, fork=fork_all) 
     return times
 
 
-def time_steps(alloc: PhysicalKVAllocator, root: int, reps: int,
-               device: str) -> tuple[list[float], list[float]]:
+def time_steps(alloc: PhysicalKVAllocator, root: int, reps: int, device: str,
+               chained: bool) -> tuple[list[float], list[float]]:
     """Per step: reserve alone, and reserve + append of every layer. Every 16th step of a
-    branch takes a new block (copy of the zero block) and is included."""
+    branch takes a new block (copy of the zero block) and is included. ``chained``: each
+    step reserves from the previous one (``reserve(step)``), else from the id list."""
     k = torch.randn(BRANCHES, HEADS, HEAD_DIM, dtype=torch.float16, device=device)
     reserve_times, step_times, steps_per_family = [], [], 32
     for _ in range(max(1, reps // steps_per_family)):
         ids = fork_all(alloc, root)
+        step = alloc.reserve(ids)
         for _ in range(steps_per_family):
             start = time.perf_counter()
-            step = alloc.reserve(ids)
+            step = alloc.reserve(step if chained else ids)
             reserved = time.perf_counter()
             for layer in range(alloc.num_layers):
                 alloc.append(step, layer, k, k)
@@ -73,7 +75,7 @@ def time_steps(alloc: PhysicalKVAllocator, root: int, reps: int,
 def report(name: str, times: list[float], target_s: float) -> None:
     median = statistics.median(times)
     verdict = "ok" if median < target_s else "OVER"
-    print(f"{name:<38} median {median * 1e6:9.1f} us   p90 "
+    print(f"{name:<40} median {median * 1e6:9.1f} us   p90 "
           f"{sorted(times)[int(0.9 * len(times))] * 1e6:9.1f} us   "
           f"target < {target_s * 1e6:.0f} us  {verdict}")
 
@@ -88,13 +90,16 @@ def main() -> None:
     time_forks(alloc, root, 5)  # warm-up
     fork_times = time_forks(alloc, root, args.reps // 4)
     loop_times = time_forks(alloc, root, args.reps // 4, fork_one_by_one)
-    reserve_times, step_times = time_steps(alloc, root, args.reps * 4, args.device)
+    timed = {chained: time_steps(alloc, root, args.reps * 4, args.device, chained)
+             for chained in (False, True)}
     print(f"device {args.device}, {args.layers} layer(s), {BRANCHES} branches, root "
           f"{ROOT_TOKENS} tokens, block 16, {HEADS} kv heads x {HEAD_DIM}, fp16")
     report("fork 256 branches (alloc_branches)", fork_times, 2e-3)
     report("fork 256 branches (alloc_branch x256)", loop_times, 2e-3)
-    report("decode step: reserve (bookkeeping)", reserve_times, 100e-6)
-    report(f"decode step: reserve + {args.layers} append", step_times, 100e-6)
+    for chained, form in ((False, "reserve(ids)"), (True, "reserve(step)")):
+        reserve_times, step_times = timed[chained]
+        report(f"decode step: {form}", reserve_times, 100e-6)
+        report(f"decode step: {form} + {args.layers} append", step_times, 100e-6)
 
 
 if __name__ == "__main__":

@@ -457,3 +457,22 @@ def gathered_any(alloc, branch_id, layer):
     n = int(lengths[0])
     return (gather_sequence(alloc.k_pools[layer], tables[0], n),
             gather_sequence(alloc.v_pools[layer], tables[0], n))
+
+
+def test_reserve_from_the_previous_step_matches_reserve_from_ids():
+    by_ids, by_step = small_allocator(num_blocks=40), small_allocator(num_blocks=40)
+    kids = [forked_family(alloc, children=3)[1] for alloc in (by_ids, by_step)]
+    step = by_step.reserve(kids[1])
+    by_ids.reserve(kids[0])
+    for value in range(2, 9):  # crosses a block boundary: new blocks, copy-on-write
+        rows = token_rows([value] * 3)
+        by_ids.append(by_ids.reserve(kids[0]), 0, *rows)
+        step = by_step.reserve(step)
+        by_step.append(step, 0, *rows)
+    for a, b in zip(*kids):
+        assert torch.equal(gathered(by_ids, a, 0)[0], gathered(by_step, b, 0)[0])
+    by_step.alloc_branch(0)  # the step's rows may now be stale
+    before = snapshot(by_step)
+    with pytest.raises(ValueError, match="stale"):
+        by_step.reserve(step)
+    assert_unchanged(by_step, before)

@@ -4,13 +4,17 @@ import json
 import pytest
 import torch
 
+import flash_reasoning
+
 from flash_reasoning import bench, cli, report
 
 
 def test_info_lists_archs_kernels_and_dispatch(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
-    for arch in ("sm80", "sm89", "sm90"):
+    archs = flash_reasoning.available_archs()  # a GPU check builds its own arch only
+    assert archs
+    for arch in archs:
         assert f"{arch}: " in out
     for kernel in ("paged_decode", "tree_partial", "tree_final", "append_kv", "merge_splits"):
         assert f"    {kernel} (" in out

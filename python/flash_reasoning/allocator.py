@@ -69,12 +69,14 @@ class DecodeStep:
     """One reserved decode token per branch (from :meth:`PhysicalKVAllocator.reserve`).
 
     ``positions[i]`` is the token position reserved in ``branch_ids[i]``; ``slots`` (int64,
-    on the pool device) the flat pool slots :meth:`~PhysicalKVAllocator.append` writes.
+    on the pool device) the flat pool slots :meth:`~PhysicalKVAllocator.append` writes;
+    ``rows`` the branches' table rows (valid while ``epoch`` is the allocator's).
     """
     branch_ids: np.ndarray
     positions: np.ndarray
     slots: torch.Tensor
     epoch: int
+    rows: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -393,11 +395,18 @@ class PhysicalKVAllocator:
         written = np.minimum(end - cols * self.block_size, self.block_size)
         self._fill[blocks] = np.maximum(self._fill[blocks], written)
 
-    def reserve(self, branch_ids: Sequence[int]) -> DecodeStep:
+    def reserve(self, branch_ids: Sequence[int] | DecodeStep) -> DecodeStep:
         """Reserve position ``length`` in each branch for one decode step and advance every
         length by one; vectorised over branches, all-or-nothing. The reserved positions read
-        zero until :meth:`append` writes them (per layer)."""
-        ids, rows = self._distinct_rows(branch_ids)
+        zero until :meth:`append` writes them (per layer).
+
+        Passing the previous step (``step = reserve(step)``) reserves the next token of the
+        same branches without converting and re-checking their ids: the decode loop's form."""
+        if isinstance(branch_ids, DecodeStep):
+            self._check_current(branch_ids)
+            ids, rows = branch_ids.branch_ids, branch_ids.rows
+        else:
+            ids, rows = self._distinct_rows(branch_ids)
         positions = self._lengths[rows]
         cols, offsets = np.divmod(positions, self.block_size)
         if rows.size:
@@ -407,7 +416,7 @@ class PhysicalKVAllocator:
         self._fill[blocks] = offsets + 1  # _zero_tails left every fill <= its offset
         self._set_lengths(rows, positions + 1)
         return DecodeStep(ids, positions,
-                          self._upload(blocks * self.block_size + offsets), self._epoch)
+                          self._upload(blocks * self.block_size + offsets), self._epoch, rows)
 
     def append(self, step: DecodeStep | Sequence[int], layer: int, k: torch.Tensor,
                v: torch.Tensor) -> DecodeStep:
@@ -420,9 +429,7 @@ class PhysicalKVAllocator:
         self._check_layer(layer)
         self._check_kv(k, v, n)
         if isinstance(step, DecodeStep):
-            if step.epoch != self._epoch:
-                raise ValueError("step is stale: alloc_branch, free_branch or prune ran since "
-                                 "reserve(); reserve a new step")
+            self._check_current(step)
         elif self.num_layers != 1:
             raise ValueError(f"append(branch_ids, ...) is the one-layer form; with "
                              f"num_layers={self.num_layers} call step = reserve(branch_ids) "
@@ -628,6 +635,11 @@ class PhysicalKVAllocator:
             raise ValueError(f"branch_ids must be distinct, got {dup} "
                              f"{int((ids == dup).sum())} times")
         return ids, rows
+
+    def _check_current(self, step: DecodeStep) -> None:
+        if step.epoch != self._epoch:
+            raise ValueError("step is stale: alloc_branch, free_branch or prune ran since "
+                             "reserve(); reserve a new step from branch ids")
 
     def _check_layer(self, layer: int) -> None:
         layer = _as_int("layer", layer)
