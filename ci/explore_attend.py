@@ -1,19 +1,22 @@
-"""Variants of the paged attention inner loop, JIT-compiled on the GPU and timed on the
-shapes the tree kernels see (a shared root under wide tiles, short leaves, one long range).
-Exploration only: the shipped kernels are aot/kernels. Run on a GPU."""
+"""Configs of the shipped paged attention loop (``attention_core.attend``), JIT-compiled on
+the GPU and timed on the shapes the tree kernels see (a shared root under wide tiles, short
+leaves, one long range): the data behind ``dispatch.decode_config``. The loop variants it
+once compared (page ids loaded in the tile's own iteration, V loaded after the softmax) are
+recorded in docs/perf.md; the adopted one is the shipped loop. Run on a GPU."""
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
+from aot.kernels.attention_core import attend
 from flash_reasoning import timing
 
 
 @triton.jit
-def variant_kernel(q, k_pool, v_pool, tables, ranges, out, lse_out, sm_scale_log2,
-                   num_kv_heads, page_size, max_blocks, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr):
+def loop_kernel(q, k_pool, v_pool, tables, ranges, out, lse_out, sm_scale_log2,
+                num_kv_heads, page_size, max_blocks, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -21,40 +24,10 @@ def variant_kernel(q, k_pool, v_pool, tables, ranges, out, lse_out, sm_scale_log
     base = (item * num_kv_heads + kv_head).to(tl.int64) * BLOCK_M
     qt = tl.load(q + (base + m_rows)[:, None] * HEAD_DIM + d[None, :])
     table = tables + tl.load(ranges + item * 3).to(tl.int64) * max_blocks
-    start = tl.load(ranges + item * 3 + 1)
-    end = tl.load(ranges + item * 3 + 2)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    offs = tl.arange(0, BLOCK_N)
-    page = tl.load(table + (start + offs) // page_size, mask=start + offs < end, other=0)
-    for n0 in tl.range(start, end, BLOCK_N):
-        n = n0 + offs
-        n_ok = n < end
-        if VARIANT == 2:
-            pass  # pages prefetched by the previous iteration
-        else:
-            page = tl.load(table + n // page_size, mask=n_ok, other=0)
-        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
-        kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        if VARIANT >= 1:
-            v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        if VARIANT == 2:
-            nxt = n + BLOCK_N
-            page = tl.load(table + nxt // page_size, mask=nxt < end, other=0)
-        s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if VARIANT == 0:
-            v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    o = acc / l_i[:, None]
-    tl.store(out + (base + m_rows)[:, None] * HEAD_DIM + d[None, :], o)
+    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size,
+                           tl.load(ranges + item * 3 + 1), tl.load(ranges + item * 3 + 2),
+                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+    tl.store(out + (base + m_rows)[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None])
     tl.store(lse_out + base + m_rows, m_i + tl.log2(l_i))
 
 
@@ -96,16 +69,14 @@ def main() -> None:
         kv_heads = 1 if name.endswith("1 head") else 8
         q, k, v, tables, ranges, out, lse = problem(items, tokens, shared, kv_heads, block_m)
         cells = []
-        for variant in (0, 2):
-            for block_n, warps, stages in CONFIGS[block_m]:
-                def call():
-                    variant_kernel[(items, kv_heads)](
-                        q, k, v, tables, ranges, out, lse, 0.1, kv_heads, 16,
-                        tables.shape[1], HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n,
-                        VARIANT=variant, num_warps=warps, num_stages=stages)
-                call()
-                cells.append(f"v{variant} {block_n}/{warps}/{stages}:"
-                             f"{timing.median_us(call, 30):.1f}")
+        for block_n, warps, stages in CONFIGS[block_m]:
+            def call():
+                loop_kernel[(items, kv_heads)](
+                    q, k, v, tables, ranges, out, lse, 0.1, kv_heads, 16, tables.shape[1],
+                    HEAD_DIM=128, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                    num_stages=stages)
+            call()
+            cells.append(f"{block_n}/{warps}/{stages}:{timing.median_us(call, 30):.1f}")
         print(f"{name:30} " + " ".join(cells), flush=True)
 
 

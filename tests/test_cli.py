@@ -90,3 +90,20 @@ def test_bench_case_on_gpu_checks_every_op():
         assert row.device == "gpu" and row.us > 0 and row.floor_us > 0
         assert row.error < 2e-3, row
     assert rows[0].kv_bytes < rows[0].kv_separate_bytes and rows[0].speedup > 1
+
+
+def test_separate_copy_serves_paged_decode_and_masked_sdpa():
+    """Branches of different lengths: SDPA needs its key mask, paged_decode the lengths."""
+    from flash_reasoning.allocator import PhysicalKVAllocator
+    from flash_reasoning.synthetic import random_branches
+    from flash_reasoning import reference
+    alloc = PhysicalKVAllocator(64, 4, 2, 64, dtype=torch.float16, device="cpu")
+    ids = random_branches(alloc, 6, max_depth=3, max_tokens=9, seed=3)
+    assert len({alloc.length(b) for b in ids}) > 1
+    separate = bench.Separate.from_tree(alloc, ids)
+    assert separate.key_mask is not None
+    q = torch.randn(len(ids), 4, 64).half()
+    expected = reference.tree_attention(q, alloc, ids)
+    for run in (separate.paged_decode, separate.sdpa):
+        out = torch.full_like(q, float("nan"))
+        assert reference.relative_error(run(q, out), expected) < reference.TOLERANCE[q.dtype]

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import __version__, bench, demo, dispatch, report, runtime
+from . import __version__, bench, demo, dispatch, report, runtime, timing
 
 
 def cmd_info(_args) -> int:
@@ -21,10 +21,10 @@ def cmd_info(_args) -> int:
               f"{manifest['triton_version']}, ptxas {manifest['ptxas_version']})")
         for kernel, labels in _configs_by_family(manifest).items():
             print(f"    {kernel} ({len(labels)}): " + "; ".join(labels))
+    short = ", ".join(f"<= {bound} tokens {config}"
+                      for bound, config in dispatch.SHORT_RANGE_CONFIGS)
     print("dispatch: heuristics in flash_reasoning/dispatch.py (no tuning table measured yet); "
-          f"decode-tile configs (BLOCK_N, warps, stages) by the longest range: "
-          f"<= {dispatch.SHORT_RANGE_CONFIGS[0][0]} tokens {dispatch.SHORT_RANGE_CONFIGS[0][1]},"
-          f" <= {dispatch.SHORT_RANGE_CONFIGS[1][0]} {dispatch.SHORT_RANGE_CONFIGS[1][1]}, "
+          f"decode-tile configs (BLOCK_N, warps, stages) by the longest range: {short}, "
           f"longer {dispatch.LONG_RANGE_CONFIG}, split decode {dispatch.FEW_PROGRAMS_CONFIG}")
     if not torch.cuda.is_available():
         print("device: none (CPU tensors run the PyTorch path)")
@@ -112,7 +112,7 @@ def _meta(cpu: bool, args) -> dict:
     index = torch.cuda.current_device()
     return {**meta, "device": torch.cuda.get_device_name(index), "driver": _driver_version(),
             "cubins": runtime.arch_of(index),
-            "copy_bandwidth_tbps": round(bench.timing.copy_bandwidth_tbps(), 3)}
+            "copy_bandwidth_tbps": round(timing.copy_bandwidth_tbps(), 3)}
 
 
 def _progress(done: int, total: int, what: str) -> None:

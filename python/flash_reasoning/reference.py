@@ -60,7 +60,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 #: Tolerances of DESIGN.md: relative error allowed per dtype.
-TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2,
+             torch.float32: 2e-3}  # the CPU path's float32: held to fp16's bound
 
 
 def tree_attention(q, allocator, branch_ids, layer: int = 0, sm_scale=None) -> torch.Tensor:

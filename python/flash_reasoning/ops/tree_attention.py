@@ -59,7 +59,6 @@ class TreeAttentionPlan:
             dispatch.check_head_dim(self.head_dim)
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
-        self._lengths_at_plan = tree.lengths
         self.tree_version = allocator.tree_version
         # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
         self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
@@ -80,7 +79,7 @@ class TreeAttentionPlan:
         self.lengths = torch.zeros(self.branch_ids.size, dtype=torch.int32, device=device)
         self._table_version = None
         self.refresh()
-        self._templates = self._launch_templates() if self.arch else []
+        self._templates = self._launch_templates(tree.lengths) if self.arch else []
 
     @property
     def num_branches(self) -> int:
@@ -125,9 +124,10 @@ class TreeAttentionPlan:
         return [Launch(spec, grid, (q, k_pool, v_pool) + middle + ((out,) if with_out else ())
                        + self._scalars) for spec, grid, middle, with_out in self._templates]
 
-    def _launch_templates(self) -> list[tuple]:
+    def _launch_templates(self, lengths: np.ndarray) -> list[tuple]:
         """(spec, grid, arguments after q/k_pool/v_pool, whether ``out`` follows) of each
-        launch: everything but the per-call tensors is fixed when the plan is built."""
+        launch: everything but the per-call tensors is fixed when the plan is built (the
+        configs from the branches' ``lengths`` now)."""
         if not self.num_branches:
             return []
         dtype = str(self.allocator.dtype).removeprefix("torch.")
@@ -142,7 +142,7 @@ class TreeAttentionPlan:
               self.partial_lse), False)
             for (block_m, records), items in zip(self.arrays.items.items(), self._items)]
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
-        final_tokens = int((self._lengths_at_plan - self.arrays.final_start).max())
+        final_tokens = int((lengths - self.arrays.final_start).max())
         final_config = dispatch.decode_config(self.head_dim, self.arch, final_tokens)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
