@@ -1,10 +1,15 @@
-"""Builds the C++ launcher (pybind11 module) and the AOT cubins (``aot/build.py``).
+"""Builds the C++ core twice, as the pybind11 module and as the C library
+(``libflash_reasoning.so`` with its header, for C/C++ runtimes), and the AOT cubins
+(``aot/build.py``).
 
 FLASH_REASONING_ARCHS=sm90 narrows the archs compiled (default: sm80, sm89, sm90);
 FLASH_REASONING_AOT_JOBS sets the compile parallelism (default: all cores).
 """
 import os
+import shutil
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from glob import glob
 from pathlib import Path
 
@@ -12,6 +17,13 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
+CORE_SOURCES = sorted(glob("csrc/core/*.cc"))
+#: The C library exports only its fr* functions and needs only libc and libstdc++ (libcuda is
+#: opened at run time): csrc/CMakeLists.txt builds it with the same flags.
+C_LIBRARY_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-fvisibility=hidden",
+                   "-fvisibility-inlines-hidden", "-Icsrc/core", "-Icsrc/include"]
+C_LIBRARY_LINK = ["-shared", "-static-libgcc", "-Wl,--as-needed", "-Wl,--no-undefined",
+                  "-Wl,--version-script=csrc/capi/exports.map"]
 
 
 class BuildWithKernels(build_ext):
@@ -20,7 +32,26 @@ class BuildWithKernels(build_ext):
     def run(self):
         super().run()
         target = ROOT / "python" if self.inplace or self.editable_mode else Path(self.build_lib)
+        self._build_c_library(target / "flash_reasoning")
         self._build_kernels(target / "flash_reasoning" / "_artifacts")
+
+    def _build_c_library(self, package: Path) -> None:
+        """lib/libflash_reasoning.so and include/flash_reasoning/flash_reasoning.h."""
+        cxx = os.environ.get("CXX", "g++")
+        objects_dir = Path(self.build_temp) / "capi"
+        objects_dir.mkdir(parents=True, exist_ok=True)
+        sources = CORE_SOURCES + ["csrc/capi/flash_reasoning.cc"]
+        objects = [str(objects_dir / (Path(s).stem + ".o")) for s in sources]
+        compile_one = lambda src, obj: subprocess.run(  # noqa: E731
+            [cxx, *C_LIBRARY_FLAGS, "-c", src, "-o", obj], cwd=ROOT, check=True)
+        with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            list(pool.map(compile_one, sources, objects))
+        (package / "lib").mkdir(parents=True, exist_ok=True)
+        subprocess.run([cxx, *objects, *C_LIBRARY_LINK, "-o",
+                        str(package / "lib" / "libflash_reasoning.so")], cwd=ROOT, check=True)
+        header_dir = package / "include" / "flash_reasoning"
+        header_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / "csrc/include/flash_reasoning/flash_reasoning.h", header_dir)
 
     def _build_kernels(self, out_dir: Path) -> None:
         sys.path[:0] = [str(ROOT), str(ROOT / "python")]
@@ -34,7 +65,7 @@ class BuildWithKernels(build_ext):
 
 launcher = Pybind11Extension(
     "flash_reasoning._launcher",
-    sorted(glob("csrc/core/*.cc")) + ["csrc/python/module.cc"],
+    CORE_SOURCES + ["csrc/python/module.cc"],
     include_dirs=["csrc/core"],
     extra_link_args=["-ldl"],
     cxx_std=17,
@@ -43,7 +74,8 @@ launcher = Pybind11Extension(
 setup(
     package_dir={"": "python"},
     packages=["flash_reasoning", "flash_reasoning.ops"],
-    package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json"]},
+    package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "lib/*.so",
+                                      "include/flash_reasoning/*.h"]},
     ext_modules=[launcher],
     cmdclass={"build_ext": BuildWithKernels},
     zip_safe=False,

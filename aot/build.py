@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from flash_reasoning import __version__
+from flash_reasoning import __version__, dispatch
 from flash_reasoning.specializations import FAMILIES, SCRATCH_PARAMS, Spec
 
 from . import grid
@@ -132,7 +132,7 @@ def build(out_dir: Path, archs: list[str], jobs: int, cache_dir: Path = DEFAULT_
                 kernels.append(entry | {"sha256": hashlib.sha256(cubin).hexdigest()})
         manifest = {"format": MANIFEST_FORMAT, "arch": arch, "package_version": __version__,
                     "triton_version": triton.__version__, "ptxas_version": _ptxas_version(),
-                    "kernels": kernels}
+                    "kernels": kernels, "dispatch": dispatch.dispatch_rules(arch)}
         (arch_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
         print(f"aot: {arch}: {len(kernels)} kernels -> {arch_dir}", flush=True)
 

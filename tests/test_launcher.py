@@ -225,6 +225,7 @@ def test_library_without_driver_api(tmp_path):
 
 # A stand-in for libcuda: records what the launcher passes to the driver.
 FAKE_LIBCUDA = r"""
+#include <stdlib.h>
 #include <string.h>
 static int ctx_obj, mod_obj, fn_obj;
 static void* current;
@@ -262,6 +263,13 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
   memcpy(fake_params + 24, params[4], 8);
   fake_launches++; return 0;
 }
+/* Device memory is host memory here: the C ABI's copies and plans work unchanged. */
+int cuMemAlloc_v2(unsigned long long* p, size_t n) { *p = (unsigned long long)malloc(n ? n : 1); return *p ? 0 : 2; }
+int cuMemFree_v2(unsigned long long p) { free((void*)p); return 0; }
+int cuMemcpyHtoD_v2(unsigned long long d, const void* s, size_t n) { memcpy((void*)d, s, n); return 0; }
+int cuMemcpyDtoH_v2(void* d, unsigned long long s, size_t n) { memcpy(d, (void*)s, n); return 0; }
+int cuMemcpyHtoDAsync_v2(unsigned long long d, const void* s, size_t n, void* st) { memcpy((void*)d, s, n); return 0; }
+int cuStreamSynchronize(void* st) { return 0; }
 """
 
 

@@ -104,7 +104,16 @@ def test_empty_branches_plan_to_empty_ranges():
     assert arrays.num_entries == 0 and (arrays.final_start == 0).all()
 
 
-@pytest.mark.parametrize("depth", [1, 3, 40])
-def test_depths_by_pointer_jumping(depth):
-    parent = np.arange(-1, depth - 1)
-    assert planner._depths(parent).tolist() == list(range(depth))
+def test_item_fields_match_the_core():
+    """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS."""
+    from flash_reasoning import _launcher
+    from flash_reasoning.specializations import TREE_ITEM_FIELDS
+    assert tuple(_launcher.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
+
+
+def test_plan_overflow_is_a_value_error():
+    alloc = PhysicalKVAllocator(10, 4, 1, 8, device="cpu")
+    ids = [alloc.alloc_branch(4).branch_id]
+    tree = alloc.segment_tree(ids)
+    with pytest.raises(ValueError, match="num_qo_heads"):
+        planner.plan(tree, planner.Shape(3, 2, 8, 2, 132))

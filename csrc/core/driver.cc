@@ -37,7 +37,8 @@ bool resolve_all(void* lib, Driver* d, const char** missing) {
   FR_RESOLVE(cuDeviceGet) FR_RESOLVE(cuDeviceGetAttribute) FR_RESOLVE(cuDevicePrimaryCtxRetain)
   FR_RESOLVE(cuCtxGetCurrent) FR_RESOLVE(cuCtxSetCurrent) FR_RESOLVE(cuModuleLoadData)
   FR_RESOLVE(cuModuleUnload) FR_RESOLVE(cuModuleGetFunction) FR_RESOLVE(cuFuncSetAttribute)
-  FR_RESOLVE(cuLaunchKernel)
+  FR_RESOLVE(cuLaunchKernel) FR_RESOLVE(cuMemAlloc_v2) FR_RESOLVE(cuMemFree_v2) FR_RESOLVE(cuMemcpyHtoD_v2)
+  FR_RESOLVE(cuMemcpyDtoH_v2) FR_RESOLVE(cuMemcpyHtoDAsync_v2) FR_RESOLVE(cuStreamSynchronize)
 #undef FR_RESOLVE
   return true;
 }
@@ -81,19 +82,24 @@ Status get_driver(const Driver** out) {
   return st;
 }
 
-Status device_compute_capability(int ordinal, int* out) {
+Status device_attribute(int ordinal, int attribute, int* out) {
   const Driver* d;
   Status st = get_driver(&d);
   if (!st.ok()) return st;
   CUdevice dev;
   CUresult rc = d->cuDeviceGet(&dev, ordinal);
   if (rc != CUDA_SUCCESS) return d->error(rc, "cuDeviceGet(" + std::to_string(ordinal) + ")");
-  int major = 0, minor = 0;
-  rc = d->cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
-  if (rc == CUDA_SUCCESS) rc = d->cuDeviceGetAttribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
-  if (rc != CUDA_SUCCESS) return d->error(rc, "cuDeviceGetAttribute(compute capability)");
-  *out = major * 10 + minor;
+  rc = d->cuDeviceGetAttribute(out, attribute, dev);
+  if (rc != CUDA_SUCCESS) return d->error(rc, "cuDeviceGetAttribute(" + std::to_string(attribute) + ")");
   return Status::Ok();
+}
+
+Status device_compute_capability(int ordinal, int* out) {
+  int major = 0, minor = 0;
+  Status st = device_attribute(ordinal, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, &major);
+  if (st.ok()) st = device_attribute(ordinal, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, &minor);
+  *out = major * 10 + minor;
+  return st;
 }
 
 }  // namespace flash_reasoning

@@ -14,11 +14,14 @@ using CUcontext = struct CUctx_st*;
 using CUmodule = struct CUmod_st*;
 using CUfunction = struct CUfunc_st*;
 using CUstream = struct CUstream_st*;
+using CUdeviceptr = unsigned long long;
 
 constexpr CUresult CUDA_SUCCESS = 0;
 constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
 constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
+constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
+constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 
 struct Driver {
   CUresult (*cuInit)(unsigned flags);
@@ -35,6 +38,13 @@ struct Driver {
   CUresult (*cuFuncSetAttribute)(CUfunction, int attrib, int value);
   CUresult (*cuLaunchKernel)(CUfunction, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                              unsigned bz, unsigned shared_bytes, CUstream, void** params, void** extra);
+  // Device memory, for the C ABI's plans and callers without the CUDA runtime.
+  CUresult (*cuMemAlloc_v2)(CUdeviceptr*, size_t bytes);
+  CUresult (*cuMemFree_v2)(CUdeviceptr);
+  CUresult (*cuMemcpyHtoD_v2)(CUdeviceptr dst, const void* src, size_t bytes);
+  CUresult (*cuMemcpyDtoH_v2)(void* dst, CUdeviceptr src, size_t bytes);
+  CUresult (*cuMemcpyHtoDAsync_v2)(CUdeviceptr dst, const void* src, size_t bytes, CUstream);
+  CUresult (*cuStreamSynchronize)(CUstream);
 
   // "call failed: CUDA_ERROR_X (description)" for a failed driver call.
   Status error(CUresult rc, const std::string& call) const;
@@ -49,5 +59,8 @@ const Driver* loaded_driver();
 
 // major*10 + minor of CUDA device `ordinal`.
 Status device_compute_capability(int ordinal, int* out);
+
+// A device attribute (CU_DEVICE_ATTRIBUTE_*) of device `ordinal`.
+Status device_attribute(int ordinal, int attribute, int* out);
 
 }  // namespace flash_reasoning

@@ -4,6 +4,11 @@
 #include <cstdio>
 #include <cstring>
 
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+
 namespace flash_reasoning {
 
 Status read_file(const std::string& path, const char* what, std::string* out) {
@@ -27,6 +32,24 @@ Status read_file(const std::string& path, const char* what, std::string* out) {
 std::string join_path(const std::string& dir, const std::string& name) {
   if (dir.empty() || dir.back() == '/') return dir + name;
   return dir + "/" + name;
+}
+
+}  // namespace flash_reasoning
+
+namespace flash_reasoning {
+
+Status list_folders_with(const std::string& dir, const std::string& marker, std::vector<std::string>* out) {
+  DIR* d = opendir(dir.c_str());
+  if (!d) return Status::Error(Code::kNotFound, "artifact folder " + dir + " cannot be opened: " + std::strerror(errno));
+  out->clear();
+  while (dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    struct stat info;
+    if (name[0] != '.' && stat(join_path(join_path(dir, name), marker).c_str(), &info) == 0) out->push_back(name);
+  }
+  closedir(d);
+  std::sort(out->begin(), out->end());
+  return Status::Ok();
 }
 
 }  // namespace flash_reasoning

@@ -136,6 +136,13 @@ Status Launcher::launch(int index, const int64_t grid[3], const Arg* args, size_
   return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuLaunchKernel(" + k.name + ")");
 }
 
+Status Launcher::make_current() {
+  const Driver* d;
+  Status st = get_driver(&d);
+  CUcontext ctx;
+  return st.ok() ? current_context(*d, &ctx) : st;
+}
+
 Status Launcher::current_context(const Driver& d, CUcontext* ctx) {
   CUresult rc = d.cuCtxGetCurrent(ctx);
   if (rc != CUDA_SUCCESS) return d.error(rc, "cuCtxGetCurrent");

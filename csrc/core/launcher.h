@@ -48,6 +48,10 @@ class Launcher {
   // dimension is empty work: returns Ok without touching the driver.
   Status launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream);
 
+  // Makes a context of the device current on this thread (the current one, or the device's
+  // primary context when there is none): memory calls need one.
+  Status make_current();
+
  private:
   Launcher(Manifest manifest, int device);
   Status pack(const KernelInfo& k, const Arg* args, size_t num_args, uint64_t* slots) const;

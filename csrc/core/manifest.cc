@@ -57,7 +57,7 @@ class Validator {
     const JsonValue* v;
     Status st = member(obj, key, where, &v);
     if (!st.ok()) return st;
-    if (!v->is_number() || v->number != std::floor(v->number) || v->number < lo || v->number > hi)
+    if (!v->is_number() || v->number < lo || v->number > hi || v->number != double(int64_t(v->number)))
       return error(where + key, "must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
     *out = static_cast<int>(v->number);
     return Status::Ok();
@@ -114,10 +114,76 @@ Status parse_kernel(const Validator& v, const JsonValue& obj, const std::string&
   if (!(st = v.integer(obj, "shared", where, 0, INT_MAX, &k->shared)).ok()) return st;
   const JsonValue* family = obj.find("kernel");
   if (family && family->is_string()) k->family = family->string;
+  const JsonValue* key = obj.find("key");
+  for (size_t i = 0; key && key->is_object() && i < key->keys.size(); ++i)
+    if (key->items[i].is_number()) k->constexprs[key->keys[i]] = int64_t(key->items[i].number);
   return parse_params(v, obj, where, k);
 }
 
+// One rule list: [[max_tokens or null, kernel name], ...], names resolved to indices.
+Status parse_rules(const Validator& v, const JsonValue& list, const std::string& where,
+                   const std::unordered_map<std::string, int>& index, std::vector<DispatchRule>* out) {
+  if (!list.is_array() || list.items.empty()) return v.error(where, "must be a non-empty array");
+  for (size_t i = 0; i < list.items.size(); ++i) {
+    const JsonValue& rule = list.items[i];
+    std::string at = where + "[" + std::to_string(i) + "]";
+    if (!rule.is_array() || rule.items.size() != 2 || !rule.items[1].is_string() ||
+        !(rule.items[0].is_number() || rule.items[0].kind == JsonValue::Kind::kNull))
+      return v.error(at, "must be [max_tokens or null, kernel name]");
+    auto it = index.find(rule.items[1].string);
+    if (it == index.end()) return v.error(at, "names kernel '" + rule.items[1].string + "', not in the manifest");
+    int64_t bound = rule.items[0].is_number() ? int64_t(rule.items[0].number) : -1;
+    out->push_back({bound, it->second});
+  }
+  if (out->back().max_tokens != -1) return v.error(where, "must end with a rule for any length (null)");
+  return Status::Ok();
+}
+
+Status parse_dispatch(const Validator& v, const JsonValue& root, const std::vector<KernelInfo>& kernels,
+                      DispatchTable* out) {
+  const JsonValue* dispatch = root.find("dispatch");
+  if (!dispatch) return Status::Ok();
+  const JsonValue* rules = dispatch->find("rules");
+  const JsonValue* constants = dispatch->find("constants");
+  if (!rules || !rules->is_object() || !constants || !constants->is_object())
+    return v.error("dispatch", "must be an object with objects 'rules' and 'constants'");
+  std::unordered_map<std::string, int> index;
+  for (size_t i = 0; i < kernels.size(); ++i) index[kernels[i].name] = int(i);
+  for (size_t i = 0; i < rules->keys.size(); ++i) {
+    Status st = parse_rules(v, rules->items[i], "dispatch.rules." + rules->keys[i], index,
+                            &out->rules[rules->keys[i]]);
+    if (!st.ok()) return st;
+  }
+  for (size_t i = 0; i < constants->keys.size(); ++i) {
+    const JsonValue& c = constants->items[i];
+    if (!c.is_number() || std::fabs(c.number) > 9e18 || c.number != double(int64_t(c.number)))
+      return v.error("dispatch.constants." + constants->keys[i], "must be an integer");
+    out->constants[constants->keys[i]] = int64_t(c.number);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
+
+Status DispatchTable::pick(const std::string& key, int64_t max_tokens, int* kernel) const {
+  auto it = rules.find(key);
+  if (it == rules.end())
+    return Status::Error(Code::kNotFound, "no compiled kernel serves " + key + " (" +
+                                              (rules.empty() ? "the manifest has no dispatch rules: rebuild it"
+                                                             : "head_dim or dtype not built for this arch") + ")");
+  for (const DispatchRule& r : it->second)
+    if (r.max_tokens < 0 || max_tokens <= r.max_tokens) { *kernel = r.kernel; return Status::Ok(); }
+  *kernel = it->second.back().kernel;  // unreachable: parsing requires a final rule for any length
+  return Status::Ok();
+}
+
+Status DispatchTable::constant(const std::string& name, int64_t* value) const {
+  auto it = constants.find(name);
+  if (it == constants.end())
+    return Status::Error(Code::kInvalidManifest, "the manifest's dispatch constants lack '" + name + "': rebuild it");
+  *value = it->second;
+  return Status::Ok();
+}
 
 Status load_manifest(const std::string& arch_dir, Manifest* out) {
   std::string path = join_path(arch_dir, "manifest.json");
@@ -147,7 +213,9 @@ Status load_manifest(const std::string& arch_dir, Manifest* out) {
     if (!seen.insert(k.name).second) return v.error(where + "name", "duplicates '" + k.name + "'");
     out->kernels.push_back(std::move(k));
   }
-  return Status::Ok();
+  const JsonValue* version = root.find("package_version");
+  if (version && version->is_string()) out->package_version = version->string;
+  return parse_dispatch(v, root, out->kernels, &out->dispatch);
 }
 
 }  // namespace flash_reasoning

@@ -2,7 +2,9 @@
 // parsed once into plain structs so the launch path never touches JSON.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "status.h"
@@ -32,12 +34,34 @@ struct KernelInfo {
   std::vector<ParamInfo> params;  // caller-supplied params only (scratch params dropped)
   int num_warps = 0;
   int shared = 0;  // dynamic shared memory, bytes
+  std::unordered_map<std::string, int64_t> constexprs;  // integer members of "key", e.g. BLOCK_N
+};
+
+// The dispatch rules the AOT build exported from flash_reasoning.dispatch (the one place they
+// are made), so a C caller picks the same kernels as Python. A rule list maps the longest
+// range a kernel's programs walk to a kernel: the first entry whose max_tokens is at least
+// that (-1: any length).
+struct DispatchRule {
+  int64_t max_tokens = -1;
+  int kernel = -1;  // index into Manifest::kernels
+};
+
+struct DispatchTable {
+  std::unordered_map<std::string, std::vector<DispatchRule>> rules;  // e.g. "tree_final/float16/128"
+  std::unordered_map<std::string, int64_t> constants;                // e.g. "block_m"
+  bool present() const { return !rules.empty(); }
+
+  // kNotFound when no rule serves `key` (a head_dim or dtype this build did not compile).
+  Status pick(const std::string& key, int64_t max_tokens, int* kernel) const;
+  Status constant(const std::string& name, int64_t* value) const;
 };
 
 struct Manifest {
   std::string dir;   // the arch folder the manifest was read from
   std::string arch;  // e.g. "sm90"
+  std::string package_version;  // of the package that built it ("" when absent)
   std::vector<KernelInfo> kernels;
+  DispatchTable dispatch;  // empty for manifests without a "dispatch" section
 };
 
 // Upper bound on parameters per kernel: lets the launch path pack into stack buffers.

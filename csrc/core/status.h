@@ -18,6 +18,9 @@ enum class Code : int {
   kCudaError = 6,         // a driver call returned an error
   kUnsupportedArch = 7,   // no compiled arch serves this device
   kIoError = 8,           // a file exists but cannot be read
+  kOutOfMemory = 9,       // host or device memory exhausted
+  kPlanMismatch = 10,     // a plan update would change what the plan reads once: re-plan
+  kUnsupported = 11,      // head_dim or dtype not compiled for this arch
 };
 
 struct Status {

@@ -1,4 +1,5 @@
 // pybind11 front end of the launcher core: type conversion only, no logic.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -7,6 +8,8 @@
 #include "arch.h"
 #include "driver.h"
 #include "launcher.h"
+#include "planner.h"
+#include "segment_tree.h"
 
 namespace py = pybind11;
 namespace fr = flash_reasoning;
@@ -77,6 +80,105 @@ std::vector<std::pair<std::string, std::string>> params(const fr::Launcher& l, c
   return out;
 }
 
+using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+py::array_t<T> to_numpy(const std::vector<T>& v) {
+  py::array_t<T> a(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), a.mutable_data());
+  return a;
+}
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw py::value_error(message);
+}
+
+py::dict tree_to_dict(const fr::SegmentTree& t) {
+  py::dict d;
+  d["lengths"] = to_numpy(t.lengths);
+  d["node_start"] = to_numpy(t.node_start);
+  d["node_end"] = to_numpy(t.node_end);
+  d["node_parent"] = to_numpy(t.node_parent);
+  d["node_lo"] = to_numpy(t.node_lo);
+  d["node_hi"] = to_numpy(t.node_hi);
+  d["order"] = to_numpy(t.order);
+  d["end_node"] = to_numpy(t.end_node);
+  d["path_ptr"] = to_numpy(t.path_ptr);
+  d["path_nodes"] = to_numpy(t.path_nodes);
+  return d;
+}
+
+py::dict segment_tree(const Int64Array& lengths, const Int64Array& breaks, const Int64Array& keys) {
+  int64_t rows = lengths.size(), num_breaks = breaks.size();
+  require(lengths.ndim() == 1 && breaks.ndim() == 1, "lengths and breaks must be 1-D");
+  require(keys.ndim() == 2 && keys.shape(0) == rows && keys.shape(1) == num_breaks,
+          "keys must be [len(lengths), len(breaks)]");
+  fr::SegmentTree t;
+  check(fr::build_segment_tree(rows, lengths.data(), num_breaks, breaks.data(), keys.data(), &t));
+  return tree_to_dict(t);
+}
+
+py::dict segment_tree_from_tables(const Int64Array& lengths, const Int32Array& tables, int64_t block_size) {
+  require(lengths.ndim() == 1 && tables.ndim() == 2 && tables.shape(0) == lengths.size(),
+          "tables must be [len(lengths), columns]");
+  for (int64_t i = 0; i < lengths.size(); ++i)
+    require(lengths.data()[i] <= tables.shape(1) * block_size, "a length exceeds its table's capacity");
+  fr::SegmentTree t;
+  check(fr::segment_tree_from_tables(lengths.size(), lengths.data(), tables.data(), tables.shape(1), block_size, &t));
+  return tree_to_dict(t);
+}
+
+// The arrays of a SegmentTree the planner reads, from Python's dataclass.
+fr::SegmentTree tree_from_python(const py::object& tree) {
+  fr::SegmentTree t;
+  auto read = [&](const char* name, std::vector<int64_t>* out) {
+    Int64Array a = tree.attr(name).cast<Int64Array>();
+    out->assign(a.data(), a.data() + a.size());
+  };
+  read("lengths", &t.lengths);
+  read("node_start", &t.node_start);
+  read("node_end", &t.node_end);
+  read("node_parent", &t.node_parent);
+  read("node_lo", &t.node_lo);
+  read("node_hi", &t.node_hi);
+  read("order", &t.order);
+  read("end_node", &t.end_node);
+  return t;
+}
+
+py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t dtype_bytes, int64_t num_sms, std::array<int64_t, 2> block_ms, int64_t target_chunk,
+              double reread_weight) {
+  fr::PlanShape shape;
+  shape.num_qo_heads = num_qo_heads, shape.num_kv_heads = num_kv_heads, shape.head_dim = head_dim;
+  shape.dtype_bytes = dtype_bytes, shape.num_sms = num_sms, shape.block_ms = block_ms;
+  fr::PlanOptions options;
+  options.target_chunk = target_chunk, options.reread_weight = reread_weight;
+  fr::Plan p;
+  check(fr::make_plan(tree_from_python(tree), shape, options, &p));
+  py::dict d;
+  d["order"] = to_numpy(p.order);
+  d["chunk_start"] = to_numpy(p.chunk_start);
+  d["chunk_end"] = to_numpy(p.chunk_end);
+  d["chunk_rows"] = to_numpy(p.chunk_rows);
+  d["chunk_row_ptr"] = to_numpy(p.chunk_row_ptr);
+  d["chunk_table_row"] = to_numpy(p.chunk_table_row);
+  d["chunk_entry0"] = to_numpy(p.chunk_entry0);
+  d["final_start"] = to_numpy(p.final_start);
+  d["merge_ptr"] = to_numpy(p.merge_ptr);
+  d["entry_slot"] = to_numpy(p.entry_slot);
+  d["num_entries"] = p.num_entries;
+  d["computed_nodes"] = p.computed_nodes;
+  d["chunk_tokens"] = p.chunk_tokens;
+  py::dict items;
+  for (const fr::ItemList& list : p.items)
+    items[py::int_(list.block_m)] = to_numpy(list.records).reshape(
+        {list.count(), static_cast<int64_t>(fr::kTreeItemFields.size())});
+  d["items"] = items;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_launcher, m) {
@@ -113,6 +215,20 @@ PYBIND11_MODULE(_launcher, m) {
       },
       py::arg("device"), "major*10+minor of a CUDA device, read through the driver API.");
 
+  m.def("segment_tree", &segment_tree, py::arg("lengths"), py::arg("breaks"), py::arg("keys"),
+        "The segment tree (a dict of arrays) of rows whose token t is keys[row, c] for "
+        "breaks[c] <= t < breaks[c + 1].");
+  m.def("segment_tree_from_tables", &segment_tree_from_tables, py::arg("lengths"), py::arg("tables"),
+        py::arg("block_size"), "The segment tree the C ABI reads from block tables.");
+  m.def("plan", &plan, py::arg("tree"), py::arg("num_qo_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+        py::arg("dtype_bytes"), py::arg("num_sms"), py::arg("block_ms"), py::arg("target_chunk") = 0,
+        py::arg("reread_weight") = fr::kRereadWeight, "The tree-attention plan of a SegmentTree (a dict of arrays).");
+  m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
+  m.attr("REREAD_WEIGHT") = fr::kRereadWeight;
+  m.attr("MIN_CHUNK_TOKENS") = fr::kMinChunkTokens;
+  m.attr("WAVES") = fr::kWaves;
+  m.attr("CHUNK_ALIGN") = fr::kChunkAlign;
+
   py::class_<fr::Launcher>(m, "Launcher", "The kernels of one arch folder (<artifact_root>/<arch>).")
       .def(py::init([](const py::object& arch_dir, int device) {
              std::unique_ptr<fr::Launcher> l;
@@ -127,6 +243,16 @@ PYBIND11_MODULE(_launcher, m) {
              for (const auto& k : l.manifest().kernels) names.push_back(k.name);
              return names;
            })
+      .def(
+          "pick",
+          [](const fr::Launcher& l, const std::string& rule, int64_t max_tokens) {
+            int kernel = 0;
+            check(l.manifest().dispatch.pick(rule, max_tokens, &kernel));
+            return l.manifest().kernels[kernel].name;
+          },
+          py::arg("rule"), py::arg("max_tokens"),
+          "The kernel the manifest's dispatch rules pick for `rule` (e.g. 'tree_final/float16/128') and ranges "
+          "of at most max_tokens (-1: unknown), as a C caller gets it.")
       .def("params", &params, py::arg("name"), "(name, type) of the caller-supplied params (scratch excluded).")
       .def("launch", &launch, py::arg("name"), py::arg("grid"), py::arg("args"), py::arg("stream"),
            "Launch kernel `name` on `stream` (a CUstream as int; 0 = default stream). Asynchronous.");

@@ -172,3 +172,35 @@ def num_splits(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: 
     wanted = math.ceil(2 * num_sms / programs)
     by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def _range_rules(choose) -> list[list]:
+    """``[[max_tokens or None, kernel name], ...]`` of ``choose(max_tokens) -> Spec`` over the
+    range bounds, a bound dropped where the next one picks the same kernel."""
+    bounds = [bound for bound, _ in SHORT_RANGE_CONFIGS] + [None]
+    rules = [[bound, choose(bound).name] for bound in bounds]
+    return [rule for rule, after in zip(rules, rules[1:] + [None])
+            if after is None or after[1] != rule[1]]
+
+
+def dispatch_rules(arch: str) -> dict:
+    """The rules above as data, for the manifest: a C caller of ``libflash_reasoning`` picks
+    by them the kernels these functions pick (keys ``family/dtype/head_dim[/block_m]``)."""
+    rules = {"append_kv": [[None, append_spec().name]]}
+    for dtype in DTYPES:
+        for hd in HEAD_DIMS:
+            at = f"{dtype}/{hd}"
+            rules[f"paged_decode/{at}"] = _range_rules(lambda n: decode_spec(
+                dtype, hd, False, arch, decode_config(hd, arch, n)))
+            rules[f"paged_decode_split/{at}"] = [[None, decode_spec(dtype, hd, True, arch).name]]
+            rules[f"merge_splits/{at}"] = [[None, merge_spec(dtype, hd).name]]
+            rules[f"tree_final/{at}"] = _range_rules(lambda n: tree_final_spec(
+                dtype, hd, arch, decode_config(hd, arch, n)))
+            for block_m in TREE_BLOCK_MS:
+                rules[f"tree_partial/{at}/{block_m}"] = _range_rules(lambda n: tree_partial_spec(
+                    dtype, hd, block_m, arch, tree_partial_config(hd, block_m, arch, n)))
+    constants = {"block_m": BLOCK_M, "tree_block_m_narrow": TREE_BLOCK_MS[0],
+                 "tree_block_m_wide": TREE_BLOCK_MS[1], "merge_block_s": MERGE_BLOCK_S,
+                 "append_block": APPEND_BLOCK, "min_tokens_per_split": MIN_TOKENS_PER_SPLIT,
+                 "max_splits": MAX_SPLITS}
+    return {"rules": rules, "constants": constants}

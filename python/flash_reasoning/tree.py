@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from . import _launcher
+
 if TYPE_CHECKING:
     import torch
 
@@ -77,94 +79,11 @@ class SegmentTree:
         ``breaks[c] <= t < breaks[c + 1]`` (``-1`` at and beyond the row's length).
 
         ``breaks`` must hold 0 and every row length, so that two rows share exactly the tokens
-        before the first breakpoint where their keys differ (a trie over the rows).
+        before the first breakpoint where their keys differ (a trie over the rows, built by
+        the C++ core that the C ABI also uses: ``csrc/core/segment_tree.cc``).
         """
-        n = branch_ids.size
-        order = np.lexsort(keys.T[::-1]) if n else np.zeros(0, np.int64)
-        lcp = _adjacent_lcp(keys[order], breaks, lengths[order])
-        nodes = _TrieBuilder()
-        end_node = np.full(n, -1, np.int64)
-        for i in range(n):
-            end_node[order[i]] = nodes.add_row(i, int(lengths[order[i]]),
-                                               int(lcp[i - 1]) if i else 0)
-        return nodes.finish(branch_ids, lengths, order, end_node)
-
-
-def _adjacent_lcp(sorted_keys: np.ndarray, breaks: np.ndarray,
-                  sorted_lengths: np.ndarray) -> np.ndarray:
-    """Tokens shared by each pair of neighbours in sorted order."""
-    if sorted_keys.shape[0] < 2:
-        return np.zeros(0, np.int64)
-    diff = sorted_keys[1:] != sorted_keys[:-1]
-    # Identical key rows have identical lengths (lengths are breakpoints): all is shared.
-    return np.where(diff.any(axis=1), breaks[diff.argmax(axis=1)], sorted_lengths[1:])
-
-
-class _TrieBuilder:
-    """Builds the compacted trie from rows in sorted order and their neighbours' LCP."""
-
-    def __init__(self) -> None:
-        self.start: list[int] = []
-        self.end: list[int] = []
-        self.parent: list[int] = []
-        self.lo: list[int] = []
-        self.hi: list[int] = []
-        self.stack: list[int] = []  # the path of the previous row
-
-    def _new(self, start: int, end: int, lo: int) -> int:
-        self.start.append(start)
-        self.end.append(end)
-        self.parent.append(self.stack[-1] if self.stack else -1)
-        self.lo.append(lo)
-        self.hi.append(-1)
-        self.stack.append(len(self.start) - 1)
-        return self.stack[-1]
-
-    def add_row(self, i: int, length: int, shared: int) -> int:
-        """Add sorted row ``i`` sharing ``shared`` tokens with row ``i - 1``; its end node."""
-        popped = -1
-        while self.stack and self.end[self.stack[-1]] > shared:
-            popped = self.stack.pop()
-            self.hi[popped] = i
-        top_end = self.end[self.stack[-1]] if self.stack else 0
-        if top_end < shared:
-            # Row i branches off inside `popped`: split it, its head is on row i's path.
-            head = self._new(top_end, shared, self.lo[popped])
-            self.start[popped], self.parent[popped] = shared, head
-        if length > shared:
-            self._new(shared, length, i)
-        return self.stack[-1] if self.stack else -1
-
-    def finish(self, branch_ids, lengths, order, end_node) -> SegmentTree:
-        for v in self.stack:
-            self.hi[v] = len(order)
-        start, end, lo = (np.asarray(a, np.int64) for a in (self.start, self.end, self.lo))
-        # Renumber in DFS pre-order: an ancestor has a smaller lo, or the same lo and start.
-        perm = np.lexsort((start, lo))
-        new_id = np.empty(perm.size + 1, np.int64)
-        new_id[perm] = np.arange(perm.size)
-        new_id[-1] = -1  # maps parent -1 (index -1) to -1
-        parent = new_id[np.asarray(self.parent, np.int64)[perm]]
-        end_node = new_id[end_node]
-        path_ptr, path_nodes = _paths(parent, end_node)
-        return SegmentTree(np.asarray(branch_ids, np.int64), np.asarray(lengths, np.int64),
-                           start[perm], end[perm], parent, lo[perm],
-                           np.asarray(self.hi, np.int64)[perm], np.asarray(order, np.int64),
-                           end_node, path_ptr, path_nodes)
-
-
-def _paths(parent: np.ndarray, end_node: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    paths = []
-    for v in end_node.tolist():
-        path = []
-        while v >= 0:
-            path.append(v)
-            v = int(parent[v])
-        paths.append(path[::-1])
-    ptr = np.zeros(len(paths) + 1, np.int64)
-    ptr[1:] = np.cumsum([len(p) for p in paths])
-    flat = np.asarray([v for p in paths for v in p], np.int64)
-    return ptr, flat
+        arrays = _launcher.segment_tree(lengths, breaks, keys)
+        return cls(branch_ids=np.asarray(branch_ids, np.int64), **arrays)
 
 
 @dataclass(frozen=True)

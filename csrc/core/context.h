@@ -1,0 +1,67 @@
+// What the C ABI holds per device: the launcher of the device's arch, its dispatch rules, the
+// device's SM count, and device-memory helpers. A host-only context (an arch named, no driver)
+// validates and plans but cannot run: tests and planning tools use it without a GPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include "driver.h"
+#include "launcher.h"
+#include "status.h"
+
+namespace flash_reasoning {
+
+// One launch argument with the parameter name it must bind to: a launch checks each name
+// against the manifest, so kernels and the C++ callers cannot drift apart silently.
+struct NamedArg {
+  const char* name;
+  Arg value;
+};
+
+inline Arg pointer_arg(const void* p) { return Arg::UInt(reinterpret_cast<uintptr_t>(p)); }
+
+class Context {
+ public:
+  // The arch folder under `artifact_root` serving `device`.
+  static Status open(const std::string& artifact_root, int device, std::unique_ptr<Context>* out);
+  // `arch` (e.g. "sm90") under `artifact_root`, with no driver; num_sms is assumed 132.
+  static Status open_host_only(const std::string& artifact_root, const std::string& arch,
+                               std::unique_ptr<Context>* out);
+
+  const std::string& arch() const { return launcher_->manifest().arch; }
+  const DispatchTable& rules() const { return launcher_->manifest().dispatch; }
+  int num_sms() const { return num_sms_; }
+  bool host_only() const { return device_ < 0; }
+
+  // kDriverUnavailable, naming `what`, on a host-only context.
+  Status require_device(const char* what) const;
+  // The kernel the rules pick for `rule_key` and ranges of at most `max_tokens`.
+  Status pick(const std::string& rule_key, int64_t max_tokens, int* kernel) const;
+  const KernelInfo& kernel(int index) const { return launcher_->manifest().kernels[index]; }
+  Status launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
+                CUstream stream);
+
+  Status alloc(size_t bytes, CUdeviceptr* out);
+  Status free(CUdeviceptr ptr);
+  Status copy_to_device(CUdeviceptr dst, const void* src, size_t bytes);
+  Status copy_to_device_async(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream);
+  Status copy_to_host(void* dst, CUdeviceptr src, size_t bytes);
+  Status synchronize(CUstream stream);
+
+ private:
+  Context(std::unique_ptr<Launcher> launcher, int device, int num_sms)
+      : launcher_(std::move(launcher)), device_(device), num_sms_(num_sms) {}
+  static Status load(const std::string& artifact_root, const std::string& arch, int device, int num_sms,
+                     std::unique_ptr<Context>* out);
+  Status driver(const Driver** d);
+
+  std::unique_ptr<Launcher> launcher_;
+  int device_;  // -1: host only
+  int num_sms_;
+};
+
+}  // namespace flash_reasoning

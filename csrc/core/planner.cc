@@ -1,0 +1,186 @@
+#include "planner.h"
+
+#include <algorithm>
+#include <string>
+
+namespace flash_reasoning {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Round half to even of x >= 0, as numpy's rint (no libm: the C library links only libc).
+int64_t round_half_even(double x) {
+  int64_t whole = int64_t(x);
+  double frac = x - double(whole);
+  return whole + (frac > 0.5 || (frac == 0.5 && (whole & 1)));
+}
+
+int64_t tile_rows(int64_t flat_rows, const PlanShape& shape) {
+  return flat_rows <= shape.block_ms[0] ? shape.block_ms[0] : shape.block_ms[1];
+}
+
+// Tokens per program that spread all the work over kWaves programs per SM.
+int64_t chunk_tokens(const std::vector<int64_t>& programs, const std::vector<int64_t>& lengths,
+                     const PlanShape& shape) {
+  int64_t work = 0;
+  for (size_t r = 0; r < programs.size(); ++r) work += programs[r] * lengths[r];
+  return std::max(kMinChunkTokens, ceil_div(work, kWaves * shape.num_sms));
+}
+
+Status check_shape(const PlanShape& s) {
+  if (s.num_qo_heads < 1 || s.num_kv_heads < 1 || s.num_qo_heads % s.num_kv_heads)
+    return Status::Error(Code::kInvalidArgument, "num_qo_heads (" + std::to_string(s.num_qo_heads) +
+                                                     ") must be a positive multiple of num_kv_heads (" +
+                                                     std::to_string(s.num_kv_heads) + ")");
+  if (s.head_dim < 1 || s.dtype_bytes < 1 || s.num_sms < 1 || s.block_ms[0] < 1 || s.block_ms[1] < s.block_ms[0])
+    return Status::Error(Code::kInvalidArgument, "head_dim, dtype_bytes, num_sms and block_ms must be positive");
+  return Status::Ok();
+}
+
+// Top-down: whether each node folds, and where its range starts once its folded ancestors are
+// prepended. Nodes are in pre-order, so a parent is decided before its children.
+void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_weight, std::vector<char>* fold,
+                    std::vector<int64_t>* eff_start) {
+  int64_t count = t.num_nodes();
+  std::vector<int64_t> consumers(count, 0);
+  for (int64_t v = 0; v < count; ++v)
+    if (t.node_parent[v] >= 0) ++consumers[t.node_parent[v]];
+  for (int64_t v : t.end_node)
+    if (v >= 0) ++consumers[v];
+  fold->assign(count, 0);
+  eff_start->assign(t.node_start.begin(), t.node_start.end());
+  for (int64_t v = 0; v < count; ++v) {
+    int64_t up = t.node_parent[v];
+    if (up >= 0 && (*fold)[up]) (*eff_start)[v] = (*eff_start)[up];
+    (*fold)[v] = fold_into_consumers(consumers[v], t.node_end[v] - (*eff_start)[v], t.node_hi[v] - t.node_lo[v],
+                                     shape, reread_weight);
+  }
+}
+
+// The ranges a plan reads: computed nodes first, then each row's final range.
+struct Ranges {
+  std::vector<int64_t> lo, hi, rows, row_ptr, table_row;
+  int64_t num_computed = 0;
+
+  void add(int64_t l, int64_t h, int64_t r, int64_t ptr, int64_t table) {
+    lo.push_back(l), hi.push_back(h), rows.push_back(r), row_ptr.push_back(ptr), table_row.push_back(table);
+  }
+};
+
+Ranges collect_ranges(const SegmentTree& t, const std::vector<char>& fold, const std::vector<int64_t>& eff_start) {
+  Ranges r;
+  for (int64_t v = 0; v < t.num_nodes(); ++v) {
+    if (fold[v]) continue;
+    r.add(eff_start[v], t.node_end[v], t.node_hi[v] - t.node_lo[v], t.node_lo[v], t.order[t.node_lo[v]]);
+    ++r.num_computed;
+  }
+  std::vector<int64_t> position(t.num_rows());
+  for (int64_t i = 0; i < t.num_rows(); ++i) position[t.order[i]] = i;
+  for (int64_t b = 0; b < t.num_rows(); ++b) {
+    // A row's final range: its end node's folded range, or nothing when that node is computed.
+    int64_t end = t.end_node[b];
+    int64_t start = end < 0 ? 0 : fold[end] ? eff_start[end] : t.lengths[b];
+    r.add(start, t.lengths[b], 1, position[b], b);
+  }
+  return r;
+}
+
+// Slots that make each row's partials contiguous; fills merge_ptr and entry_slot.
+void merge_slots(const SegmentTree& t, Plan* p) {
+  int64_t n = t.num_rows();
+  std::vector<int64_t> owner(p->num_entries);
+  for (size_t c = 0; c < p->chunk_rows.size(); ++c)
+    for (int64_t j = 0; j < p->chunk_rows[c]; ++j)
+      owner[p->chunk_entry0[c] + j] = t.order[p->chunk_row_ptr[c] + j];
+  p->merge_ptr.assign(n + 1, 0);
+  for (int64_t o : owner) ++p->merge_ptr[o + 1];
+  for (int64_t b = 0; b < n; ++b) p->merge_ptr[b + 1] += p->merge_ptr[b];
+  std::vector<int32_t> next(p->merge_ptr.begin(), p->merge_ptr.end() - 1);
+  p->entry_slot.resize(p->num_entries);
+  for (int64_t e = 0; e < p->num_entries; ++e) p->entry_slot[e] = next[owner[e]]++;
+}
+
+// The tree_partial records of each row tile: one per (chunk, tile).
+void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_t group, std::vector<ItemList>* out) {
+  out->clear();
+  std::vector<int64_t> sizes(chunk_block_m);
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  for (int64_t block_m : sizes) {
+    ItemList list{block_m, {}};
+    for (size_t c = 0; c < chunk_block_m.size(); ++c) {
+      if (chunk_block_m[c] != block_m) continue;
+      for (int64_t tile = 0; tile < ceil_div(p.chunk_rows[c] * group, block_m); ++tile) {
+        int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c], p.chunk_end[c], p.chunk_row_ptr[c],
+                            p.chunk_rows[c],      tile * block_m,   p.chunk_entry0[c], 0};
+        list.records.insert(list.records.end(), std::begin(record), std::end(record));
+      }
+    }
+    out->push_back(std::move(list));
+  }
+}
+
+}  // namespace
+
+bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
+                         double reread_weight) {
+  double reread = double(consumers - 1) * double(eff_len) * (double(shape.kv_bytes_per_token()) * reread_weight);
+  return reread < double(rows * shape.partial_bytes_per_row());
+}
+
+int64_t chunk_length(int64_t length, int64_t target) {
+  int64_t pieces = std::max<int64_t>(1, round_half_even(double(length) / double(target)));
+  int64_t per_piece = ceil_div(length, pieces);
+  return std::max(kChunkAlign, ceil_div(per_piece, kChunkAlign) * kChunkAlign);
+}
+
+Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out) {
+  Status st = check_shape(shape);
+  if (!st.ok()) return st;
+  if (options.target_chunk < 0) return Status::Error(Code::kInvalidArgument, "target_chunk must be >= 0");
+  std::vector<char> fold;
+  std::vector<int64_t> eff_start;
+  fold_decisions(tree, shape, options.reread_weight, &fold, &eff_start);
+  Ranges r = collect_ranges(tree, fold, eff_start);
+  size_t num_ranges = r.lo.size();
+  std::vector<int64_t> length(num_ranges), block_m(num_ranges), programs(num_ranges);
+  for (size_t k = 0; k < num_ranges; ++k) {
+    length[k] = r.hi[k] - r.lo[k];
+    block_m[k] = tile_rows(r.rows[k] * shape.group(), shape);
+    programs[k] = ceil_div(r.rows[k] * shape.group(), block_m[k]) * shape.num_kv_heads;
+  }
+  Plan p;
+  p.chunk_tokens = options.target_chunk ? options.target_chunk : chunk_tokens(programs, length, shape);
+  p.computed_nodes = r.num_computed;
+  std::vector<int64_t> chunk_block_m;
+  for (size_t k = 0; k < num_ranges; ++k) {
+    int64_t step = chunk_length(length[k], p.chunk_tokens);
+    int64_t pieces = std::max<int64_t>(1, ceil_div(length[k], step));
+    bool is_final = int64_t(k) >= r.num_computed;
+    // A final range's last chunk is the final kernel's: only the others become partials.
+    if (is_final) p.final_start.push_back(int32_t(r.lo[k] + (pieces - 1) * step));
+    for (int64_t within = 0; within < pieces - is_final; ++within) {
+      int64_t start = r.lo[k] + within * step;
+      p.chunk_start.push_back(start);
+      p.chunk_end.push_back(std::min(start + step, r.hi[k]));
+      p.chunk_rows.push_back(r.rows[k]);
+      p.chunk_row_ptr.push_back(r.row_ptr[k]);
+      p.chunk_table_row.push_back(r.table_row[k]);
+      p.chunk_entry0.push_back(p.num_entries);
+      chunk_block_m.push_back(block_m[k]);
+      p.num_entries += r.rows[k];
+    }
+  }
+  if (p.num_entries * shape.num_qo_heads >= (int64_t(1) << 31))  // the kernels index partials in int32
+    return Status::Error(Code::kInvalidArgument,
+                         "the plan needs " + std::to_string(p.num_entries) + " partials of " +
+                             std::to_string(shape.num_qo_heads) +
+                             " heads: too many for one step; split the branches over calls");
+  p.order.assign(tree.order.begin(), tree.order.end());
+  merge_slots(tree, &p);
+  make_items(p, chunk_block_m, shape.group(), &p.items);
+  *out = std::move(p);
+  return Status::Ok();
+}
+
+}  // namespace flash_reasoning

@@ -1,0 +1,93 @@
+// The tree-attention planner: from a segment tree to what each kernel program computes.
+//
+// Every node of the tree is either *computed* once for all the branches below it (its KV read
+// once, one fp32 partial per branch written and merged later) or *folded* into its consumers
+// (its children and the branches ending at it), which then read its tokens as part of their
+// own range. The cost model folds a node when re-reading its KV costs less than the partials it
+// would write; an exclusive leaf always folds into its branch.
+//
+// Each branch ends with a *final range* (what is left of its path after the computed nodes,
+// read through its own block table): the final kernel computes it, merges the branch's partials
+// and writes the output. Long ranges are cut into chunks so the grid fills the GPU; every chunk
+// but a final range's last one becomes a partial work item, tiled over its (branch, query
+// head) rows. Python (flash_reasoning.planner) and the C ABI both plan through this file.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "segment_tree.h"
+#include "status.h"
+
+namespace flash_reasoning {
+
+// Re-read KV of a folded node costs this fraction of an HBM byte: its consumers run close
+// together in the grid, so most re-reads hit L2.
+constexpr double kRereadWeight = 0.5;
+// A chunk shorter than this costs more in partials than its parallelism gains.
+constexpr int64_t kMinChunkTokens = 256;
+// Programs per SM the chunking aims for.
+constexpr int64_t kWaves = 2;
+// Chunk boundaries fall on multiples of the kernels' KV tile.
+constexpr int64_t kChunkAlign = 64;
+
+// One tree_partial work item is an int32 record of these fields, in this order; the kernel
+// reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
+constexpr std::array<const char*, 8> kTreeItemFields = {"table_row", "kv_start", "kv_end", "row_ptr",
+                                                        "num_rows",  "first_flat_row", "entry0", "unused"};
+
+// What the planner needs to know about the attention call and the GPU.
+struct PlanShape {
+  int64_t num_qo_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t dtype_bytes = 2;
+  int64_t num_sms = 1;
+  // The compiled tree_partial row tiles: nodes of at most block_ms[0] (branch, head) rows
+  // take the narrow tile, others the wide one.
+  std::array<int64_t, 2> block_ms = {16, 64};
+
+  int64_t group() const { return num_qo_heads / num_kv_heads; }
+  int64_t kv_bytes_per_token() const { return 2 * num_kv_heads * head_dim * dtype_bytes; }
+  // One branch's fp32 partial (output and LSE of every head), written then read.
+  int64_t partial_bytes_per_row() const { return 2 * num_qo_heads * (head_dim + 1) * 4; }
+};
+
+struct PlanOptions {
+  int64_t target_chunk = 0;  // 0: from the cost model; else tokens per chunk (tuning)
+  double reread_weight = kRereadWeight;
+};
+
+// The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
+struct ItemList {
+  int64_t block_m = 0;
+  std::vector<int32_t> records;
+
+  int64_t count() const { return int64_t(records.size() / kTreeItemFields.size()); }
+};
+
+// A plan on the host. Chunk c covers tokens [chunk_start[c], chunk_end[c]) read through
+// block-table row chunk_table_row[c], for the rows order[chunk_row_ptr[c]:+chunk_rows[c]],
+// whose partials are entries chunk_entry0[c] + j, stored in slot entry_slot[entry]. Row b's
+// final range is [final_start[b], its length); it merges slots merge_ptr[b]:merge_ptr[b + 1].
+struct Plan {
+  std::vector<int32_t> order;
+  std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0;
+  std::vector<ItemList> items;  // by increasing block_m, only tiles in use
+  std::vector<int32_t> final_start, merge_ptr, entry_slot;
+  int64_t num_entries = 0;
+  int64_t computed_nodes = 0;
+  int64_t chunk_tokens = 0;
+};
+
+// The cost model, small pure functions.
+bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
+                         double reread_weight);
+int64_t chunk_length(int64_t length, int64_t target);
+
+// The work of one decode step over `tree`. kInvalidArgument for a bad shape or a plan whose
+// partials would overflow the kernels' int32 indexing.
+Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out);
+
+}  // namespace flash_reasoning

@@ -1,0 +1,262 @@
+#include "tree_attention_plan.h"
+
+#include <algorithm>
+#include <climits>
+
+namespace flash_reasoning {
+namespace {
+
+constexpr size_t kRegionAlign = 256;
+enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kFirstItems = 4 };
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+Status mismatch(const std::string& why) {
+  return Status::Error(Code::kPlanMismatch, why + ": the plan no longer describes the tree; create a new plan");
+}
+
+// Checks the host arrays of `tree`: lengths >= 0, each row's blocks within `columns` table
+// columns and the pool. A row needing more than `columns` is kInvalidArgument, or
+// `too_long` when given (an update past the plan's room).
+Status check_tree(const AttentionShape& shape, const TreeInput& tree, int64_t columns, Code too_long) {
+  if (tree.num_branches < 0)
+    return Status::Error(Code::kInvalidArgument, "tree.num_branches must be >= 0, got " + std::to_string(tree.num_branches));
+  if (tree.num_branches && (!tree.lengths || !tree.tables))
+    return Status::Error(Code::kInvalidArgument, "tree.lengths and tree.block_tables must not be NULL");
+  if (tree.stride < 0) return Status::Error(Code::kInvalidArgument, "tree.table_stride must be >= 0");
+  for (int64_t i = 0; i < tree.num_branches; ++i) {
+    std::string at = "branch " + std::to_string(i);
+    if (tree.lengths[i] < 0)
+      return Status::Error(Code::kInvalidArgument, "tree.lengths[" + std::to_string(i) + "] must be >= 0, got " +
+                                                       std::to_string(tree.lengths[i]));
+    int64_t cols = ceil_div(tree.lengths[i], shape.block_size);
+    if (cols > tree.stride)
+      return Status::Error(Code::kInvalidArgument, at + " has " + std::to_string(tree.lengths[i]) + " tokens: " +
+                                                       std::to_string(cols) + " blocks, but tree.table_stride is " +
+                                                       std::to_string(tree.stride));
+    if (cols > columns)
+      return Status::Error(too_long, at + " needs " + std::to_string(cols) + " blocks, the plan holds " +
+                                         std::to_string(columns) + " per branch (extra_blocks at creation)");
+    for (int64_t j = 0; j < cols; ++j) {
+      int32_t block = tree.tables[i * tree.stride + j];
+      if (block < 0 || block >= shape.num_blocks)
+        return Status::Error(Code::kInvalidArgument, at + ": block_tables[" + std::to_string(i) + "][" +
+                                                         std::to_string(j) + "] is " + std::to_string(block) +
+                                                         ", must be in [0, shape.num_blocks = " +
+                                                         std::to_string(shape.num_blocks) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+// The covered columns of each row, `columns` per row, zeros beyond.
+std::vector<int32_t> dense_tables(const AttentionShape& shape, const TreeInput& tree, int64_t columns) {
+  std::vector<int32_t> out(size_t(tree.num_branches * columns), 0);
+  for (int64_t i = 0; i < tree.num_branches; ++i) {
+    int64_t cols = ceil_div(tree.lengths[i], shape.block_size);
+    std::copy(tree.tables + i * tree.stride, tree.tables + i * tree.stride + cols, out.begin() + i * columns);
+  }
+  return out;
+}
+
+// Concatenates the int32 lists, each in a slot of a multiple of 4 words (at least 4), so
+// every list's pointer is valid, distinct and 16-byte aligned.
+void pack_lists(const std::vector<const std::vector<int32_t>*>& lists, std::vector<int32_t>* flat,
+                std::vector<size_t>* offsets) {
+  flat->clear();
+  offsets->clear();
+  for (const auto* list : lists) {
+    offsets->push_back(flat->size());
+    flat->insert(flat->end(), list->begin(), list->end());
+    flat->resize(offsets->back() + std::max<size_t>(4, align_up(list->size(), 4)), 0);
+  }
+}
+
+int64_t longest_item(const ItemList& items) {
+  int64_t longest = 0;
+  for (int64_t k = 0; k < items.count(); ++k)
+    longest = std::max<int64_t>(longest, items.records[k * kTreeItemFields.size() + 2] -
+                                             items.records[k * kTreeItemFields.size() + 1]);
+  return longest;
+}
+
+}  // namespace
+
+Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, const TreeInput& tree,
+                                 int64_t extra_blocks, std::unique_ptr<TreeAttentionPlan>* out) {
+  Status st = check_shape(ctx, shape, "tree_final");
+  if (!st.ok()) return st;
+  if (extra_blocks < 0) return Status::Error(Code::kInvalidArgument, "extra_blocks must be >= 0, got " + std::to_string(extra_blocks));
+  if (!(st = check_tree(shape, tree, tree.stride, Code::kInvalidArgument)).ok()) return st;
+
+  std::unique_ptr<TreeAttentionPlan> p(new TreeAttentionPlan(ctx, shape));
+  std::vector<int64_t> lengths(tree.lengths, tree.lengths + tree.num_branches);
+  if (!(st = segment_tree_from_tables(tree.num_branches, lengths.data(), tree.tables, tree.stride, shape.block_size,
+                                      &p->tree_)).ok())
+    return st;
+  PlanShape plan_shape;
+  plan_shape.num_qo_heads = shape.num_qo_heads;
+  plan_shape.num_kv_heads = shape.num_kv_heads;
+  plan_shape.head_dim = shape.head_dim;
+  plan_shape.num_sms = ctx.num_sms();
+  if (!(st = ctx.rules().constant("tree_block_m_narrow", &plan_shape.block_ms[0])).ok()) return st;
+  if (!(st = ctx.rules().constant("tree_block_m_wide", &plan_shape.block_ms[1])).ok()) return st;
+  if (!(st = make_plan(p->tree_, plan_shape, PlanOptions(), &p->plan_)).ok()) return st;
+
+  int64_t longest = 0;
+  for (int64_t len : lengths) longest = std::max(longest, ceil_div(len, shape.block_size));
+  p->max_blocks_ = std::max<int64_t>(1, longest + extra_blocks);
+  if (p->max_blocks_ > INT_MAX || p->max_blocks_ * tree.num_branches > INT_MAX)
+    return Status::Error(Code::kInvalidArgument, "block tables of " + std::to_string(tree.num_branches) + " x " +
+                                                     std::to_string(p->max_blocks_) + " entries overflow int32 indexing");
+  p->tables_ = dense_tables(shape, tree, p->max_blocks_);
+  p->lengths_.assign(tree.lengths, tree.lengths + tree.num_branches);
+  std::vector<const std::vector<int32_t>*> lists = {&p->plan_.order, &p->plan_.final_start, &p->plan_.merge_ptr,
+                                                    &p->plan_.entry_slot};
+  for (const ItemList& items : p->plan_.items) lists.push_back(&items.records);
+  pack_lists(lists, &p->work_, &p->work_offset_);
+  if (!(st = p->pick_kernels()).ok()) return st;
+  if (!(st = p->allocate_and_upload()).ok()) return st;
+  *out = std::move(p);
+  return Status::Ok();
+}
+
+TreeAttentionPlan::~TreeAttentionPlan() {
+  if (workspace_) ctx_.free(workspace_);  // an error here has no one to report to
+}
+
+int64_t TreeAttentionPlan::num_launches() const {
+  return num_branches() ? int64_t(plan_.items.size()) + 1 : 0;
+}
+
+int64_t TreeAttentionPlan::unique_tokens() const {
+  int64_t total = 0;
+  for (int64_t v = 0; v < tree_.num_nodes(); ++v) total += tree_.node_end[v] - tree_.node_start[v];
+  return total;
+}
+
+int64_t TreeAttentionPlan::logical_tokens() const {
+  int64_t total = 0;
+  for (int32_t len : lengths_) total += len;
+  return total;
+}
+
+Status TreeAttentionPlan::pick_kernels() {
+  partial_kernels_.clear();
+  for (const ItemList& items : plan_.items) {
+    int kernel = -1;
+    std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
+    Status st = ctx_.pick(key, longest_item(items), &kernel);
+    if (!st.ok()) return st;
+    partial_kernels_.push_back(kernel);
+  }
+  return pick_final_kernel();
+}
+
+// By the longest final range, which grows with the leaves: picked again on each update.
+Status TreeAttentionPlan::pick_final_kernel() {
+  int64_t longest = 0;
+  for (size_t b = 0; b < lengths_.size(); ++b)
+    longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
+  return ctx_.pick("tree_final/" + shape_.rule_suffix(), longest, &final_kernel_);
+}
+
+Status TreeAttentionPlan::allocate_and_upload() {
+  int64_t n = num_branches();
+  size_t sizes[] = {work_.size() * 4, size_t(n * max_blocks_) * 4, size_t(std::max<int64_t>(n, 4)) * 4,
+                    size_t(plan_.num_entries * shape_.num_qo_heads * shape_.head_dim) * 4,
+                    size_t(plan_.num_entries * shape_.num_qo_heads) * 4};
+  size_t offsets[5];
+  workspace_bytes_ = 0;
+  for (int r = 0; r < 5; ++r) {
+    offsets[r] = workspace_bytes_;
+    workspace_bytes_ += align_up(std::max<size_t>(sizes[r], 16), kRegionAlign);
+  }
+  if (ctx_.host_only()) return Status::Ok();
+  Status st = ctx_.alloc(workspace_bytes_, &workspace_);
+  if (!st.ok()) return st;
+  d_work_ = workspace_ + offsets[0];
+  d_tables_ = workspace_ + offsets[1];
+  d_lengths_ = workspace_ + offsets[2];
+  d_partial_out_ = workspace_ + offsets[3];
+  d_partial_lse_ = workspace_ + offsets[4];
+  if (st.ok()) st = ctx_.copy_to_device(d_work_, work_.data(), sizes[0]);
+  if (st.ok()) st = ctx_.copy_to_device(d_tables_, tables_.data(), sizes[1]);
+  if (st.ok()) st = ctx_.copy_to_device(d_lengths_, lengths_.data(), size_t(n) * 4);
+  return st;  // on failure the destructor frees the workspace
+}
+
+Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream) {
+  Status st = ctx_.require_device("frPlanRun");
+  if (!st.ok()) return st;
+  const void* pointers[] = {q, k_pool, v_pool, out};
+  const char* names[] = {"q", "k_pool", "v_pool", "out"};
+  for (int i = 0; i < 4; ++i)
+    if (!pointers[i] || reinterpret_cast<uintptr_t>(pointers[i]) % 16)
+      return Status::Error(Code::kInvalidArgument, std::string(names[i]) + " must be a non-NULL, 16-byte aligned device pointer");
+  if (!num_branches()) return Status::Ok();
+  int64_t block_m = 0;
+  if (!(st = ctx_.rules().constant("block_m", &block_m)).ok()) return st;
+  auto work = [&](size_t list) { return pointer_arg(reinterpret_cast<void*>(d_work_ + 4 * work_offset_[list])); };
+  auto device = [](CUdeviceptr p) { return pointer_arg(reinterpret_cast<void*>(p)); };
+  Arg scale = Arg::Float(shape_.scale_log2()), qo = Arg::Int(shape_.num_qo_heads), kv = Arg::Int(shape_.num_kv_heads),
+      page = Arg::Int(shape_.block_size), cols = Arg::Int(max_blocks_);
+  for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i)
+    st = ctx_.launch(partial_kernels_[i], plan_.items[i].count(), shape_.num_kv_heads, 1,
+                     {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
+                      {"block_tables", device(d_tables_)}, {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
+                      {"entry_slot", work(kEntrySlot)}, {"partial_out", device(d_partial_out_)},
+                      {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
+                      {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols}},
+                     stream);
+  if (!st.ok()) return st;
+  int64_t tiles = shape_.num_kv_heads * ceil_div(shape_.group(), block_m);
+  return ctx_.launch(final_kernel_, num_branches(), tiles, 1,
+                     {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
+                      {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
+                      {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)},
+                      {"partial_out", device(d_partial_out_)}, {"partial_lse", device(d_partial_lse_)},
+                      {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
+                      {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols}},
+                     stream);
+}
+
+Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_t>* tables,
+                                       std::vector<int32_t>* lengths) const {
+  if (tree.num_branches != num_branches())
+    return mismatch("the plan has " + std::to_string(num_branches()) + " branches, the tree " +
+                    std::to_string(tree.num_branches));
+  Status st = check_tree(shape_, tree, max_blocks_, Code::kPlanMismatch);
+  if (!st.ok()) return st;
+  for (int64_t b = 0; b < tree.num_branches; ++b) {
+    int64_t shared_until = plan_.final_start[b];
+    if (tree.lengths[b] < shared_until)
+      return mismatch("branch " + std::to_string(b) + " shrank to " + std::to_string(tree.lengths[b]) +
+                      " tokens, below the " + std::to_string(shared_until) + " the plan reads in shared ranges");
+    for (int64_t j = 0; j < ceil_div(shared_until, shape_.block_size); ++j)
+      if (tree.tables[b * tree.stride + j] != tables_[b * max_blocks_ + j])
+        return mismatch("branch " + std::to_string(b) + " changed block " + std::to_string(j) + " (" +
+                        std::to_string(tables_[b * max_blocks_ + j]) + " -> " +
+                        std::to_string(tree.tables[b * tree.stride + j]) + "), inside a range the plan shares");
+  }
+  *tables = dense_tables(shape_, tree, max_blocks_);
+  lengths->assign(tree.lengths, tree.lengths + tree.num_branches);
+  return Status::Ok();
+}
+
+Status TreeAttentionPlan::update(const TreeInput& tree, CUstream stream) {
+  Status st = ctx_.require_device("frPlanUpdate");
+  std::vector<int32_t> tables, lengths;
+  if (st.ok()) st = check_update(tree, &tables, &lengths);
+  if (!st.ok()) return st;
+  // Pageable sources: each copy returns once its bytes are staged, so the buffers may change after.
+  st = ctx_.copy_to_device_async(d_tables_, tables.data(), tables.size() * 4, stream);
+  if (st.ok()) st = ctx_.copy_to_device_async(d_lengths_, lengths.data(), lengths.size() * 4, stream);
+  if (!st.ok()) return st;
+  tables_.swap(tables);
+  lengths_.swap(lengths);
+  return pick_final_kernel();
+}
+
+}  // namespace flash_reasoning
