@@ -1,6 +1,8 @@
 #include "attention_shape.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <set>
 
 namespace flash_reasoning {
 namespace {
@@ -12,9 +14,10 @@ Status bad(const std::string& field, const std::string& expected, int64_t got) {
 // The head_dims compiled for `family` and `dtype`, from the rule keys ("family/dtype/hd[/..]").
 std::string compiled_head_dims(const Context& ctx, const std::string& family, const std::string& dtype) {
   std::string prefix = family + "/" + dtype + "/", list;
+  std::set<int64_t> dims;
   for (const auto& rule : ctx.rules().rules)
-    if (rule.first.compare(0, prefix.size(), prefix) == 0)
-      list += (list.empty() ? "" : ", ") + rule.first.substr(prefix.size());
+    if (rule.first.compare(0, prefix.size(), prefix) == 0) dims.insert(std::atoll(rule.first.c_str() + prefix.size()));
+  for (int64_t d : dims) list += (list.empty() ? "" : ", ") + std::to_string(d);
   return list.empty() ? "none" : list;
 }
 
