@@ -50,6 +50,33 @@ def test_every_spec_dispatch_can_ask_for_is_compiled(arch):
         assert compiled["key"] == spec.key
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_manifest_dispatch_rules_pick_what_python_picks(arch):
+    """A C caller picks kernels by the manifest's exported rules (the launcher's pick is the
+    C ABI's lookup): for every range length it must get Python's kernel."""
+    from flash_reasoning import _launcher
+    launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
+    for dtype in ("float16", "bfloat16"):
+        for hd in dispatch.HEAD_DIMS:
+            for tokens in (1, 16, 17, 32, 33, 4096):
+                config = dispatch.decode_config(hd, arch, tokens)
+                assert launcher.pick(f"tree_final/{dtype}/{hd}", tokens) == \
+                    dispatch.tree_final_spec(dtype, hd, arch, config).name
+                assert launcher.pick(f"paged_decode/{dtype}/{hd}", tokens) == \
+                    dispatch.decode_spec(dtype, hd, False, arch, config).name
+                for block_m in dispatch.TREE_BLOCK_MS:
+                    partial = dispatch.tree_partial_config(hd, block_m, arch, tokens)
+                    assert launcher.pick(f"tree_partial/{dtype}/{hd}/{block_m}", tokens) == \
+                        dispatch.tree_partial_spec(dtype, hd, block_m, arch, partial).name
+            assert launcher.pick(f"paged_decode_split/{dtype}/{hd}", -1) == \
+                dispatch.decode_spec(dtype, hd, True, arch).name
+    assert _manifest(arch)["dispatch"]["constants"]["block_m"] == dispatch.BLOCK_M
+    for seqs, programs, length in [(1, 8, 2048), (4, 16, 32768), (1, 2, 100), (64, 8, 4096),
+                                   (3, 1, 700), (0, 8, 10)]:
+        assert launcher.paged_decode_splits(seqs, programs, length, 132) == \
+            dispatch.num_splits(seqs, programs, length, 132)
+
+
 def _build(out, cache):
     """The build compiles real cubins, so it runs outside this interpreter-mode process."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}

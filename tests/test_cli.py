@@ -19,6 +19,7 @@ def test_info_lists_archs_kernels_and_dispatch(capsys):
     for kernel in ("paged_decode", "tree_partial", "tree_final", "append_kv", "merge_splits"):
         assert f"    {kernel} (" in out
     assert "HEAD_DIM=128" in out and "dispatch: heuristics" in out
+    assert "C library: " in out and "libflash_reasoning.so (include " in out
     if not torch.cuda.is_available():
         assert "device: none" in out
 

@@ -8,6 +8,7 @@
 #include "arch.h"
 #include "driver.h"
 #include "launcher.h"
+#include "paged_decode.h"
 #include "planner.h"
 #include "segment_tree.h"
 
@@ -253,6 +254,13 @@ PYBIND11_MODULE(_launcher, m) {
           py::arg("rule"), py::arg("max_tokens"),
           "The kernel the manifest's dispatch rules pick for `rule` (e.g. 'tree_final/float16/128') and ranges "
           "of at most max_tokens (-1: unknown), as a C caller gets it.")
+      .def(
+          "paged_decode_splits",
+          [](const fr::Launcher& l, int64_t num_seqs, int64_t programs_per_seq, int64_t max_seq_len, int64_t num_sms) {
+            return fr::paged_decode_splits(l.manifest().dispatch, num_seqs, programs_per_seq, max_seq_len, num_sms);
+          },
+          py::arg("num_seqs"), py::arg("programs_per_seq"), py::arg("max_seq_len"), py::arg("num_sms"),
+          "Splits per sequence of the C ABI's paged decode (Python: dispatch.num_splits).")
       .def("params", &params, py::arg("name"), "(name, type) of the caller-supplied params (scratch excluded).")
       .def("launch", &launch, py::arg("name"), py::arg("grid"), py::arg("args"), py::arg("stream"),
            "Launch kernel `name` on `stream` (a CUstream as int; 0 = default stream). Asynchronous.");

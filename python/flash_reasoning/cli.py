@@ -15,6 +15,7 @@ from . import __version__, bench, demo, dispatch, report, runtime, timing
 def cmd_info(_args) -> int:
     print(f"flash-reasoning {__version__}")
     print(f"artifacts: {runtime.artifact_root()}")
+    print(f"C library: {_c_library()}")
     for arch in runtime.available_archs():
         manifest = json.loads((runtime.artifact_root() / arch / "manifest.json").read_text())
         print(f"  {arch}: {len(manifest['kernels'])} kernels (triton "
@@ -34,6 +35,15 @@ def cmd_info(_args) -> int:
           f"(sm{''.join(map(str, torch.cuda.get_device_capability(index)))}, driver "
           f"{_driver_version()}) -> cubins {runtime.arch_of(index)}")
     return 0
+
+
+def _c_library() -> str:
+    """The C ABI's library and include folder, or why they are missing."""
+    from . import capi
+    try:
+        return f"{capi.library_path()} (include {capi.include_dir()})"
+    except FileNotFoundError as err:
+        return f"not built ({err})"
 
 
 def _configs_by_family(manifest: dict) -> dict[str, list[str]]:
