@@ -155,6 +155,23 @@ def test_random_trees_match_brute_force(seed):
             assert below < set(tree.rows_below(parent).tolist())
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_tree_from_block_tables_equals_the_allocators(seed):
+    """The C ABI reads sharing from block tables alone; with every token written (no zero
+    blocks) that must give the allocator's tree, node for node."""
+    from flash_reasoning import _launcher
+    from flash_reasoning.synthetic import random_branches
+    alloc = PhysicalKVAllocator(600, BS, 1, 2, device="cpu")
+    ids = random_branches(alloc, 1 + seed % 30, 1 + seed % 8, seed % 20, seed=seed,
+                          roots=1 + seed % 3)
+    tree = alloc.segment_tree(ids)
+    tables, lengths = alloc.block_tables(ids)
+    arrays = _launcher.segment_tree_from_tables(lengths.numpy().astype(np.int64),
+                                                tables.numpy(), BS)
+    from_tables = type(tree)(branch_ids=tree.branch_ids, **arrays)
+    assert sorted(nodes(from_tables)) == sorted(nodes(tree))
+
+
 # ---- tree specs -------------------------------------------------------------------------
 
 def test_load_fasttree(tmp_path):
