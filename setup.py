@@ -22,7 +22,7 @@ CORE_SOURCES = sorted(glob("csrc/core/*.cc"))
 #: opened at run time): csrc/CMakeLists.txt builds it with the same flags.
 C_LIBRARY_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-fvisibility=hidden",
                    "-fvisibility-inlines-hidden", "-Icsrc/core", "-Icsrc/include"]
-C_LIBRARY_LINK = ["-shared", "-static-libgcc", "-Wl,--as-needed", "-Wl,--no-undefined",
+C_LIBRARY_LINK = ["-shared", "-Wl,-soname,libflash_reasoning.so", "-static-libgcc", "-Wl,--as-needed", "-Wl,--no-undefined",
                   "-Wl,--version-script=csrc/capi/exports.map"]
 
 

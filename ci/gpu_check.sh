@@ -9,6 +9,11 @@ cc=$(python3 -c 'import torch; print("sm%d%d" % torch.cuda.get_device_capability
 case "$cc" in sm90) arch=sm90 ;; sm89) arch=sm89 ;; sm8*) arch=sm80 ;; *) echo "unsupported $cc"; exit 2 ;; esac
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 
+# cffi (the C ABI's tests) travels as wheels in .whl/ when the machine lacks it.
+if ! python3 -c "import cffi" 2>/dev/null && ls .whl/cffi-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export FLASH_REASONING_ARCHS=$arch  # the build and the manifest tests cover this arch only
 step() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/$log"; return "${PIPESTATUS[0]}"; }
 status=0
@@ -26,6 +31,13 @@ log=demo.log   step "demo" python3 -m flash_reasoning.cli demo --check --steps 2
     --prefix 2048 --width 64 --layers 8 --num-qo-heads 32 --num-kv-heads 8 --head-dim 128 \
     || status=1
 log=host.log   step "allocator host cost" python3 benchmarks/allocator_host_cost.py || status=1
+log=example.log step "C++ example" bash -c 'python3 examples/cpp/make_reference.py build/reference.bin \
+    --device cuda && cmake -S examples/cpp -B build/example -DPython3_EXECUTABLE="$(command -v python3)" \
+    >/dev/null && cmake --build build/example >/dev/null && build/example/tree_decode \
+    python/flash_reasoning/_artifacts build/reference.bin' || status=1
+log=warmup.log step "zero warm-up" python3 benchmarks/warmup.py --json "$OUT/warmup.json" || status=1
+log=launch.log step "launch overhead" python3 benchmarks/launch_overhead.py \
+    --json "$OUT/launch_overhead.json" || status=1
 if [ -n "${EXPLORE_TREE:-}" ]; then
   log=explore_tree.log step "explore tree planner" env PYTHONPATH=. python3 ci/explore_tree.py || status=1
 fi

@@ -2,7 +2,9 @@
 # The README's test command. On a fresh machine with python3, pip and g++ (no GPU needed):
 #  1. a venv with torch==2.13.0 and the package (editable, test extras), then pytest;
 #  2. the wheel, installed in a second fresh venv with no triton: it must import, hold cubins
-#     for sm80/sm89/sm90 and run a decode through the PyTorch path.
+#     for sm80/sm89/sm90 and run a decode through the PyTorch path;
+#  3. its C library: exports only fr* symbols, needs only libc/libstdc++ (libcuda is opened at
+#     run time), and examples/cpp compiles, links and loads against it (no GPU, no CUDA toolkit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${FLASH_REASONING_CI_DIR:-$(mktemp -d)}
@@ -38,3 +40,28 @@ assert "triton" not in sys.modules
 print(f"wheel ok: {wheel.filename}, {sum(1 for n in wheel.namelist() if n.endswith('.cubin'))} cubins")
 PY
 )
+
+capi_paths=$(cd "$work" && "$user" -m flash_reasoning.capi)
+lib=$(sed -n 's/^library: *//p' <<<"$capi_paths")
+lib_dir=$(dirname "$lib")
+strays=$(nm -D --defined-only "$lib" | awk '{print $NF}' | grep -v '^fr' || true)
+[ -z "$strays" ] || { echo "ci: $lib exports symbols beyond fr*: $strays"; exit 1; }
+needed=$(readelf -d "$lib" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
+# libdl and libpthread are allowed: glibc before 2.34 keeps them apart from libc.
+unexpected=$(grep -vE '^(libc\.so\.6|libstdc\+\+\.so\.6|ld-linux[-a-z0-9_.]*\.so\.[0-9]|libdl\.so\.2|libpthread\.so\.0)$' \
+             <<<"$needed" || true)
+[ -z "$unexpected" ] || { echo "ci: $lib needs more than libc/libstdc++: $unexpected"; exit 1; }
+if command -v cmake > /dev/null; then
+  cmake -S examples/cpp -B "$work/example" -DFLASH_REASONING_ROOT="$(dirname "$lib_dir")" > /dev/null
+  cmake --build "$work/example" > /dev/null
+else  # what the CMakeLists does
+  mkdir -p "$work/example"
+  g++ -std=c++17 -O2 -Wall -I"$(sed -n 's/^include: *//p' <<<"$capi_paths")" examples/cpp/tree_decode.cc \
+      -L"$lib_dir" -lflash_reasoning -Wl,-rpath,"$lib_dir" -o "$work/example/tree_decode"
+fi
+# Without arguments it prints its usage and exits 2; LD_BIND_NOW resolves every symbol it uses first.
+status=0
+LD_BIND_NOW=1 "$work/example/tree_decode" > /dev/null 2>&1 || status=$?
+[ "$status" -eq 2 ] || { echo "ci: the example did not load libflash_reasoning (status $status)"; exit 1; }
+echo "capi ok: $lib exports $(nm -D --defined-only "$lib" | wc -l) fr* symbols, needs $(echo $needed)," \
+     "the example builds and loads"

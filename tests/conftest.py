@@ -23,3 +23,32 @@ interpreter = pytest.mark.skipif(tuple(map(int, numpy.__version__.split(".")[:2]
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN, so a row the kernel never writes fails the check."""
     return torch.full_like(t, float("nan"))
+
+
+def allocator_snapshot(alloc):
+    """Everything the allocator holds, to check that a failed call changed nothing."""
+    arrays = {name: getattr(alloc, name).copy() for name in
+              ("_tables", "_lengths", "_refcount", "_fill", "_free", "_row_of")}
+    rest = (alloc._free_top, alloc._next_id, sorted(alloc._branches), dict(alloc._lineage),
+            dict(alloc._live_parent), {b: set(c) for b, c in alloc._live_children.items()},
+            alloc._free_rows[:alloc._free_rows_top].tolist(), alloc.tree_version,
+            alloc.table_version, alloc.memory_report())
+    pools = [p.clone() for p in alloc._pools]
+    return arrays, rest, pools
+
+
+def assert_allocator_unchanged(alloc, before):
+    arrays, rest, pools = allocator_snapshot(alloc)
+    # The table mirror may have grown columns (capacity, all the zero block): not a change.
+    width = before[0]["_tables"].shape[1]
+    assert not arrays["_tables"][:, width:].any(), "_tables beyond the old width"
+    arrays["_tables"] = arrays["_tables"][:, :width]
+    for name, value in before[0].items():
+        assert numpy.array_equal(arrays[name], value), name
+    assert rest == before[1]
+    assert all(same_bits(a, b) for a, b in zip(pools, before[2]))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: free blocks hold uninitialised memory, possibly NaN."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

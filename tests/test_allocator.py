@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
 
+from conftest import allocator_snapshot, assert_allocator_unchanged
 from flash_reasoning.allocator import (ZERO_BLOCK, PhysicalKVAllocator, PoolExhausted,
                                        UnknownBranch)
 
@@ -34,27 +35,6 @@ def gathered(alloc, branch_id, layer):
     k = alloc.k_pools[layer].reshape(-1, HEADS, DIM)[slots]
     v = alloc.v_pools[layer].reshape(-1, HEADS, DIM)[slots]
     return k, v
-
-
-def snapshot(alloc):
-    """Everything the allocator holds, to check that a failed call changed nothing."""
-    arrays = {name: getattr(alloc, name).copy() for name in
-              ("_tables", "_lengths", "_refcount", "_fill", "_free", "_row_of")}
-    rest = (alloc._free_top, alloc._next_id, sorted(alloc._branches), dict(alloc._lineage),
-            dict(alloc._live_parent), {b: set(c) for b, c in alloc._live_children.items()},
-            alloc._free_rows[:alloc._free_rows_top].tolist())
-    pools = [p.clone() for p in alloc._pools]
-    return arrays, rest, pools
-
-
-def assert_unchanged(alloc, before):
-    arrays, rest, pools = snapshot(alloc)
-    for name, value in before[0].items():
-        assert np.array_equal(arrays[name], value), name
-    assert rest == before[1]
-    # Bitwise: free blocks hold uninitialised memory, possibly NaN.
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(pools, before[2]))
 
 
 def check_invariants(alloc, model_lengths):
@@ -103,7 +83,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def attempt(self, call, predicted_need=None):
         """Run a call; on PoolExhausted check it changed nothing. True when it succeeded."""
-        before = snapshot(self.alloc)
+        before = allocator_snapshot(self.alloc)
         try:
             call()
         except PoolExhausted as err:
@@ -111,7 +91,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert err.needed > err.free == self.alloc._free_top
             if predicted_need is not None:
                 assert err.needed == predicted_need
-            assert_unchanged(self.alloc, before)
+            assert_allocator_unchanged(self.alloc, before)
             return False
         return True
 
@@ -250,13 +230,13 @@ def forked_family(alloc, children=6, prefix=6):
 def test_exhaustion_in_batched_step_changes_nothing():
     alloc = small_allocator(num_blocks=6, layers=1)  # 5 data blocks: 2 for the root
     _, kids = forked_family(alloc)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(PoolExhausted) as info:
         alloc.append(kids, 0, *token_rows(list(range(100, 106))))
     # Six writers of the shared partial block (the root holds it too): six copies; 3 free.
     assert (info.value.needed, info.value.free) == (6, 3)
     assert "6" in str(info.value) and "3" in str(info.value)
-    assert_unchanged(alloc, before)
+    assert_allocator_unchanged(alloc, before)
     alloc.append(kids[:3], 0, *token_rows([7, 8, 9]))  # what fits still works
     check_invariants(alloc, {b: alloc.length(b) for b in alloc.live_branch_ids()})
 
@@ -264,11 +244,11 @@ def test_exhaustion_in_batched_step_changes_nothing():
 def test_exhaustion_in_write_changes_nothing():
     alloc = small_allocator(num_blocks=3, layers=1)
     root = alloc.alloc_branch(0)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(PoolExhausted) as info:
         alloc.write(root.branch_id, 0, *token_rows(list(range(3 * BS))))
     assert (info.value.needed, info.value.free) == (3, 2)
-    assert_unchanged(alloc, before)
+    assert_allocator_unchanged(alloc, before)
 
 
 def test_last_holders_keep_a_shared_block():
@@ -384,20 +364,20 @@ K1 = token_rows([1])
 ])
 def test_bad_input_changes_nothing(call, error, match):
     alloc, root, child = _family()
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(error, match=match):
         call(alloc, root, child)
-    assert_unchanged(alloc, before)
+    assert_allocator_unchanged(alloc, before)
 
 
 def test_stale_step_is_rejected():
     alloc, root, _ = _family()
     step = alloc.reserve([root])
     alloc.alloc_branch(0)  # a fork could now share the step's block
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(ValueError, match="stale"):
         alloc.append(step, 0, *K1)
-    assert_unchanged(alloc, before)
+    assert_allocator_unchanged(alloc, before)
 
 
 def test_unknown_branch_is_a_key_error_naming_the_id():
@@ -472,7 +452,7 @@ def test_reserve_from_the_previous_step_matches_reserve_from_ids():
     for a, b in zip(*kids):
         assert torch.equal(gathered(by_ids, a, 0)[0], gathered(by_step, b, 0)[0])
     by_step.alloc_branch(0)  # the step's rows may now be stale
-    before = snapshot(by_step)
+    before = allocator_snapshot(by_step)
     with pytest.raises(ValueError, match="stale"):
         by_step.reserve(step)
-    assert_unchanged(by_step, before)
+    assert_allocator_unchanged(by_step, before)

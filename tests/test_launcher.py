@@ -240,7 +240,8 @@ int cuInit(unsigned f) { return 0; }
 int cuGetErrorName(int rc, const char** s) { *s = names(rc); return 0; }
 int cuGetErrorString(int rc, const char** s) { *s = "fake driver"; return 0; }
 int cuDeviceGet(int* d, int ordinal) { *d = ordinal; return ordinal == 0 ? 0 : 101; }
-int cuDeviceGetAttribute(int* v, int attr, int d) { *v = attr == 75 ? 9 : 0; return 0; }
+/* cc 9.0 (major is attribute 75, minor 76) and an H100's 132 SMs (attribute 16). */
+int cuDeviceGetAttribute(int* v, int attr, int d) { *v = attr == 75 ? 9 : attr == 16 ? 132 : 0; return 0; }
 int cuDevicePrimaryCtxRetain(void** c, int d) { *c = &ctx_obj; return 0; }
 int cuCtxGetCurrent(void** c) { *c = current; return 0; }
 int cuCtxSetCurrent(void* c) { current = c; return 0; }

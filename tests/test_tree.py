@@ -7,7 +7,7 @@ import torch
 
 from flash_reasoning.allocator import PhysicalKVAllocator
 from flash_reasoning.bench import load_cases
-from flash_reasoning.tree import TreeSpec, build_branches, from_levels, load_fasttree
+from flash_reasoning.tree import SegmentTree, TreeSpec, build_branches, from_levels, load_fasttree
 
 BS = 4
 
@@ -159,17 +159,18 @@ def test_random_trees_match_brute_force(seed):
 def test_tree_from_block_tables_equals_the_allocators(seed):
     """The C ABI reads sharing from block tables alone; with every token written (no zero
     blocks) that must give the allocator's tree, node for node."""
-    from flash_reasoning import _launcher
     from flash_reasoning.synthetic import random_branches
     alloc = PhysicalKVAllocator(600, BS, 1, 2, device="cpu")
     ids = random_branches(alloc, 1 + seed % 30, 1 + seed % 8, seed % 20, seed=seed,
                           roots=1 + seed % 3)
-    tree = alloc.segment_tree(ids)
-    tables, lengths = alloc.block_tables(ids)
-    arrays = _launcher.segment_tree_from_tables(lengths.numpy().astype(np.int64),
-                                                tables.numpy(), BS)
-    from_tables = type(tree)(branch_ids=tree.branch_ids, **arrays)
-    assert sorted(nodes(from_tables)) == sorted(nodes(tree))
+    ids_arr, rows = alloc._distinct_rows(ids)
+    lengths = alloc._lengths[rows]
+    breaks = alloc._breakpoints(ids_arr, lengths)
+    by_keys = SegmentTree.from_keys(ids_arr, lengths, breaks,
+                                    alloc._position_keys(ids_arr, rows, lengths, breaks))
+    tables, _ = alloc.block_tables(ids)
+    by_tables = SegmentTree.from_tables(ids_arr, lengths, tables.numpy(), BS)
+    assert sorted(nodes(by_tables)) == sorted(nodes(by_keys))
 
 
 # ---- tree specs -------------------------------------------------------------------------

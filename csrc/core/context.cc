@@ -42,6 +42,9 @@ Status Context::open(const std::string& artifact_root, int device, std::unique_p
   if (!(st = device_compute_capability(device, &cc)).ok()) return st;
   if (!(st = select_arch(cc, archs, &arch)).ok()) return st;
   if (!(st = device_attribute(device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, &num_sms)).ok()) return st;
+  if (num_sms < 1)
+    return Status::Error(Code::kCudaError, "device " + std::to_string(device) + " reports " + std::to_string(num_sms) +
+                                               " multiprocessors: the driver's answer is unusable");
   return load(artifact_root, arch, device, num_sms, out);
 }
 

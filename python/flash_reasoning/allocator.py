@@ -4,18 +4,20 @@ See :class:`PhysicalKVAllocator` and ``docs/allocator.md``.
 """
 from __future__ import annotations
 
-import operator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from . import kv_cache
+from .ops.checks import as_int, check_compiled, check_layer
 from .tree import SegmentTree
 
 #: The reserved all-zero, read-only block backing every never-written position.
 ZERO_BLOCK = 0
+#: The longest branch: the kernels hold lengths and positions in int32.
+MAX_TOKENS = 2**31 - 1
 
 
 class PoolExhausted(RuntimeError):
@@ -27,8 +29,9 @@ class PoolExhausted(RuntimeError):
         self.needed, self.free = needed, free
 
 
-class UnknownBranch(KeyError):
-    """A branch id that is not live (never allocated, freed or pruned)."""
+class UnknownBranch(KeyError, ValueError):
+    """A branch id that is not live (never allocated, freed or pruned). A KeyError (ids
+    name branches) and a ValueError (a bad argument, like every other validation error)."""
 
     def __init__(self, branch_id: int) -> None:
         super().__init__(branch_id)
@@ -70,13 +73,15 @@ class DecodeStep:
 
     ``positions[i]`` is the token position reserved in ``branch_ids[i]``; ``slots`` (int64,
     on the pool device) the flat pool slots :meth:`~PhysicalKVAllocator.append` writes;
-    ``rows`` the branches' table rows (valid while ``epoch`` is the allocator's).
+    ``rows`` the branches' table rows (valid while ``epoch`` is the allocator's, and only in
+    ``allocator``: a step of another would write its slots).
     """
     branch_ids: np.ndarray
     positions: np.ndarray
     slots: torch.Tensor
     epoch: int
     rows: np.ndarray
+    allocator: "PhysicalKVAllocator" = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -157,13 +162,15 @@ class PhysicalKVAllocator:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  num_layers: int = 1, dtype: torch.dtype = torch.float16,
                  device: str | torch.device = "cuda") -> None:
-        self.num_blocks = _as_int("num_blocks", num_blocks, low=1)
-        self.block_size = _as_int("block_size", block_size, low=1)
-        self.num_kv_heads = _as_int("num_kv_heads", num_kv_heads, low=1)
-        self.head_dim = _as_int("head_dim", head_dim, low=1)
-        self.num_layers = _as_int("num_layers", num_layers, low=1)
+        self.num_blocks = as_int("num_blocks", num_blocks, low=1)
+        self.block_size = as_int("block_size", block_size, low=1)
+        self.num_kv_heads = as_int("num_kv_heads", num_kv_heads, low=1)
+        self.head_dim = as_int("head_dim", head_dim, low=1)
+        self.num_layers = as_int("num_layers", num_layers, low=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        if torch.device(device).type == "cuda":  # the kernels take 16-bit words
+            check_compiled("the allocator", dtype)
         kv = torch.empty((self.num_layers, 2, self.num_blocks, self.block_size,
                           self.num_kv_heads, self.head_dim), dtype=dtype, device=device)
         kv[:, :, ZERO_BLOCK].zero_()
@@ -259,6 +266,13 @@ class PhysicalKVAllocator:
         fork is therefore no longer shared. Reads no KV data."""
         ids, rows = self._distinct_rows(branch_ids)
         lengths = self._lengths[rows]
+        columns = -(-int(lengths.max(initial=0)) // self.block_size)
+        tables = self._tables[rows, :columns]
+        written = np.arange(columns) * self.block_size < lengths[:, None]
+        if not (tables[written] == ZERO_BLOCK).any():
+            # Every token written: the blocks alone tell sharing (a shared block is never
+            # written, copy-on-write), as the C ABI reads it; 10x faster than the keys.
+            return SegmentTree.from_tables(ids, lengths, tables, self.block_size)
         breaks = self._breakpoints(ids, lengths)
         return SegmentTree.from_keys(ids, lengths, breaks,
                                      self._position_keys(ids, rows, lengths, breaks))
@@ -304,19 +318,19 @@ class PhysicalKVAllocator:
         """``count`` new branches, each exactly what :meth:`alloc_branch` with these
         arguments makes (siblings: parallel sampling, a beam's expansion), in one vectorised
         call with consecutive ids; all-or-nothing."""
-        return self._alloc(_as_int("count", count, low=0), num_tokens, parent_branch_id,
+        return self._alloc(as_int("count", count, low=0), num_tokens, parent_branch_id,
                            fork_position)
 
     def _alloc(self, count: int, num_tokens: int, parent_branch_id: int | None,
                fork_position: int | None) -> list[Branch]:
-        num_tokens = _as_int("num_tokens", num_tokens, low=0)
+        num_tokens = as_int("num_tokens", num_tokens, low=0, high=MAX_TOKENS)
         if parent_branch_id is None:
             if fork_position is not None:
                 raise ValueError(f"fork_position={fork_position} needs a parent_branch_id")
             return self._new_branches(count, num_tokens, None, 0)[0]
         parent_row = self._row(parent_branch_id)
         parent_length = int(self._lengths[parent_row])
-        position = parent_length if fork_position is None else _as_int(
+        position = parent_length if fork_position is None else as_int(
             "fork_position", fork_position, low=0)
         if position > parent_length:
             raise ValueError(f"fork_position must lie in [0, {parent_length}] (the length of "
@@ -368,7 +382,7 @@ class PhysicalKVAllocator:
         self._check_layer(layer)
         self._check_kv(k, v, None)
         length = int(self._lengths[row])
-        start = _as_int("start", start, low=0)
+        start = as_int("start", start, low=0)
         if start > length:
             raise ValueError(f"start must lie in [0, {length}] (branch {branch_id}'s length; "
                              f"writes leave no holes), got {start}")
@@ -415,8 +429,8 @@ class PhysicalKVAllocator:
         self._zero_tails(blocks, offsets)
         self._fill[blocks] = offsets + 1  # _zero_tails left every fill <= its offset
         self._set_lengths(rows, positions + 1)
-        return DecodeStep(ids, positions,
-                          self._upload(blocks * self.block_size + offsets), self._epoch, rows)
+        return DecodeStep(ids, positions, self._upload(blocks * self.block_size + offsets),
+                          self._epoch, rows, self)
 
     def append(self, step: DecodeStep | Sequence[int], layer: int, k: torch.Tensor,
                v: torch.Tensor) -> DecodeStep:
@@ -425,7 +439,7 @@ class PhysicalKVAllocator:
 
         ``step`` may be a list of branch ids when ``num_layers == 1``: then this is
         ``reserve`` plus the write. Returns the step."""
-        n = step.branch_ids.size if isinstance(step, DecodeStep) else len(step)
+        n = (step.branch_ids if isinstance(step, DecodeStep) else _id_array(step)).size
         self._check_layer(layer)
         self._check_kv(k, v, n)
         if isinstance(step, DecodeStep):
@@ -491,7 +505,7 @@ class PhysicalKVAllocator:
         zeros = torch.zeros((slots.numel(), self.num_kv_heads, self.head_dim),
                             dtype=self.dtype, device=self.device)
         for k_pool, v_pool in zip(self.k_pools, self.v_pools):
-            kv_cache.write_slots(k_pool, v_pool, slots, zeros, zeros)
+            kv_cache.write_slots(k_pool, v_pool, slots, zeros, zeros, validate=False)
         self._fill[blocks] = low
 
     # ---- internals: branches -------------------------------------------------------------
@@ -608,7 +622,7 @@ class PhysicalKVAllocator:
         return int(branch_id)
 
     def _row(self, branch_id: int) -> int:
-        bid = _as_int("branch_id", branch_id)
+        bid = as_int("branch_id", branch_id)
         if bid not in self._branches:
             raise UnknownBranch(bid)
         return int(self._row_of[bid])
@@ -637,14 +651,15 @@ class PhysicalKVAllocator:
         return ids, rows
 
     def _check_current(self, step: DecodeStep) -> None:
+        if step.allocator is not self:
+            raise ValueError("step was reserved by another allocator; reserve one from this "
+                             "allocator's branch ids")
         if step.epoch != self._epoch:
             raise ValueError("step is stale: alloc_branch, free_branch or prune ran since "
                              "reserve(); reserve a new step from branch ids")
 
     def _check_layer(self, layer: int) -> None:
-        layer = _as_int("layer", layer)
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must lie in [0, {self.num_layers - 1}], got {layer}")
+        check_layer(layer, self.num_layers)
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, n: int | None) -> None:
         rows = k.shape[0] if n is None and isinstance(k, torch.Tensor) and k.dim() else n
@@ -655,18 +670,6 @@ class PhysicalKVAllocator:
         # A pageable copy (H100 host: 12.7 us for 2 KB) beats staging through pinned memory
         # for an asynchronous copy (21.7 us): torch's pin_memory costs more than it saves.
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
-
-
-def _as_int(name: str, value, low: int | None = None) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool {value}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if low is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return value
 
 
 def _id_array(branch_ids: Sequence[int]) -> np.ndarray:

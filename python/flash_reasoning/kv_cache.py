@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch, runtime
+from .ops.checks import check_compiled
 from .runtime import Launch
 
 
@@ -25,8 +26,8 @@ def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     if slots.numel() == 0:
         return
     if k_pool.is_cuda:
-        runtime.run([append_launch(k_pool, v_pool, slots.to(torch.int64), k.contiguous(),
-                                   v.contiguous())], k_pool.device)
+        runtime.run([append_launch(k_pool, v_pool, slots.to(torch.int64), _kernel_ready(k),
+                                   _kernel_ready(v))], k_pool.device)
         return
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     index = slots.to(torch.long)
@@ -55,14 +56,49 @@ def copy_blocks(pools: list[torch.Tensor], src_blocks: torch.Tensor,
         pool[dst] = pool[src]
 
 
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` dense and as aligned as the append kernel was compiled for (a copy if not)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % runtime.POINTER_ALIGN == 0 else t.clone()
+
+
 def _check_write(k_pool, v_pool, slots, k, v) -> None:
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("slots", slots)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if k_pool.dim() != 4:
+        raise ValueError(f"k_pool must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"got {tuple(k_pool.shape)}")
     if k_pool.shape != v_pool.shape or k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pool and v_pool differ: {tuple(k_pool.shape)} {k_pool.dtype} "
                          f"vs {tuple(v_pool.shape)} {v_pool.dtype}")
+    if k_pool.is_cuda:  # the append kernel moves 16-bit words
+        check_compiled("k_pool", k_pool.dtype)
     check_rows(k, v, (slots.numel(), k_pool.shape[2], k_pool.shape[3]), k_pool.dtype,
                k_pool.device)
+    _check_slots(slots, k_pool)
+
+
+def _check_slots(slots: torch.Tensor, k_pool: torch.Tensor) -> None:
+    """Slots are distinct integer token slots of the pool: a wrong one would write outside
+    it. Costs a sync on CUDA (the allocator's own calls skip it: ``validate=False``)."""
     if slots.device != k_pool.device:
         raise ValueError(f"slots are on {slots.device}, the pool on {k_pool.device}")
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"slots must be int32 or int64, got {slots.dtype}")
+    if slots.dim() != 1:
+        raise ValueError(f"slots must be 1-D, got shape {tuple(slots.shape)}")
+    if slots.numel() == 0:
+        return
+    capacity = k_pool.shape[0] * k_pool.shape[1]
+    distinct = torch.unique(slots)
+    low, high = distinct[[0, -1]].tolist()
+    if low < 0 or high >= capacity:
+        raise ValueError(f"slots must lie in [0, {capacity - 1}] (num_blocks * block_size), "
+                         f"got [{low}, {high}]")
+    if distinct.numel() != slots.numel():
+        raise ValueError(f"slots must be distinct, got {slots.numel() - distinct.numel()} "
+                         f"repeated")
 
 
 def check_rows(k, v, expected: tuple[int, int, int], dtype: torch.dtype,

@@ -85,6 +85,15 @@ class SegmentTree:
         arrays = _launcher.segment_tree(lengths, breaks, keys)
         return cls(branch_ids=np.asarray(branch_ids, np.int64), **arrays)
 
+    @classmethod
+    def from_tables(cls, branch_ids: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
+                    block_size: int) -> "SegmentTree":
+        """The tree of rows holding ``lengths[i]`` tokens in blocks ``tables[i]``: rows listing
+        the same block at the same column share its tokens, up to the shorter row's end."""
+        arrays = _launcher.segment_tree_from_tables(np.asarray(lengths, np.int64),
+                                                    np.asarray(tables, np.int32), block_size)
+        return cls(branch_ids=np.asarray(branch_ids, np.int64), **arrays)
+
 
 @dataclass(frozen=True)
 class TreeSpec:

@@ -88,7 +88,8 @@ typedef struct frTree {
   int32_t table_stride;
 } frTree;
 
-/* What a plan decided (for logs and tests). */
+/* What a plan decided (for logs and tests). The tree's fields (nodes, computed nodes, unique
+ * tokens) describe it at creation; logical_tokens follows frPlanUpdate's lengths. */
 typedef struct frPlanInfo {
   int32_t num_branches;
   int32_t num_nodes;           /* segments of the shared-prefix tree */

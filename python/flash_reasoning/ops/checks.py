@@ -1,17 +1,83 @@
-"""Argument checks shared by the public ops: each names the argument, what was expected and
-what was given."""
+"""Argument checks shared by the public ops and the allocator: each names the argument, what
+was expected and what was given (TypeError for a wrong type or dtype, ValueError otherwise).
+They run before any launch or state change."""
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+
 import torch
+
+from ..dispatch import HEAD_DIMS
+from ..runtime import POINTER_ALIGN
+from ..specializations import DTYPES
+
+#: The kernels take ``sm_scale * log2(e)`` as a float32: a larger scale would be inf there.
+MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+
+
+def as_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``; bools and floats are refused, not converted."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def check_layer(layer, num_layers: int) -> int:
+    layer = as_int("layer", layer)
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer must lie in [0, {num_layers - 1}], got {layer}")
+    return layer
+
+
+def check_scale(sm_scale, head_dim: int) -> float:
+    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite real number."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a real number or None, got "
+                        f"{type(sm_scale).__name__} {sm_scale!r}")
+    scale = float(sm_scale)
+    if not abs(scale) <= MAX_SCALE:  # NaN fails too
+        raise ValueError(f"sm_scale must be finite, at most {MAX_SCALE:.3g} in magnitude "
+                         f"(a float32 once multiplied by log2 e), got {sm_scale!r}")
+    return scale
+
+
+def check_compiled(name: str, dtype: torch.dtype, head_dim: int | None = None) -> None:
+    """The kernels were compiled for ``dtype`` (and ``head_dim``); ``name`` says whose."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in DTYPES:
+        raise TypeError(f"{name} has dtype {dtype_name}, which is not compiled; compiled: "
+                        f"{tuple(DTYPES)}")
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        raise ValueError(f"{name} has head_dim {head_dim}, which is not compiled; compiled: "
+                         f"{HEAD_DIMS}")
 
 
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device,
                  owner: str) -> None:
-    """``t`` has ``dtype``, lives on ``device`` (``owner`` says whose device that is) and is
-    contiguous."""
+    """``t`` is a tensor of ``dtype`` on ``device`` (``owner`` says whose device that is),
+    contiguous and, on CUDA, as aligned as the kernels were compiled for."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
         raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} ({owner}'s device)")
     if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+        raise ValueError(f"{name} must be contiguous, got shape {tuple(t.shape)} with strides "
+                         f"{t.stride()}")
+    if t.is_cuda and t.data_ptr() % POINTER_ALIGN:
+        raise ValueError(f"{name}'s data must be {POINTER_ALIGN}-byte aligned (the kernels "
+                         f"assume it), got address {t.data_ptr():#x} (a view at an odd "
+                         f"offset?); pass a copy")

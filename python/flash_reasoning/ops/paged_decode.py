@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from .. import dispatch, runtime, torch_path
+from .. import dispatch, log, runtime, torch_path
 from ..runtime import Launch
-from .checks import check_tensor
+from .checks import check_compiled, check_scale, check_tensor
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -33,9 +33,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     need a sync) and raise on CPU.
     """
     _validate(q, k_pool, v_pool, block_tables, seq_lens, out)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    scale = check_scale(sm_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     if q.is_cuda:
         device = q.device
@@ -44,6 +42,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     device)
     else:
         _check_lengths_fit(block_tables, seq_lens, k_pool.shape[1])
+        _check_blocks_exist(block_tables, k_pool.shape[0])
         torch_path.paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale, out)
     return out
 
@@ -61,10 +60,16 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
     dtype = str(q.dtype).removeprefix("torch.")
     tiles = num_kv_heads * dispatch.decode_tiles_per_kv_head(num_qo_heads, num_kv_heads)
     capacity = block_tables.shape[1] * page_size  # an upper bound on every length, no sync
+    given = (num_splits is not None, config is not None)  # the tuner's overrides
     if num_splits is None:
         num_splits = dispatch.num_splits(num_seqs, tiles, capacity, num_sms)
     config = config or dispatch.decode_config(head_dim, arch, math.ceil(capacity / num_splits),
                                               few_programs=num_splits > 1)
+    if log.enabled():
+        log.splits_chosen(num_seqs, tiles, capacity, num_sms, num_splits, given[0])
+        log.config_chosen("paged_decode", "decode_config", config, arch, head_dim,
+                          math.ceil(capacity / num_splits), few_programs=num_splits > 1,
+                          given=given[1])
     spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config)
     block_n = dict(spec.constexprs)["BLOCK_N"]
     tokens_per_split = math.ceil(math.ceil(capacity / num_splits) / block_n) * block_n
@@ -85,10 +90,13 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
 
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool),
+                    ("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if q.dim() != 3:
         raise ValueError(f"q must be [num_seqs, num_qo_heads, head_dim], got {tuple(q.shape)}")
-    dispatch.check_dtype(str(q.dtype).removeprefix("torch."))
-    dispatch.check_head_dim(q.shape[2])
+    check_compiled("q", q.dtype, q.shape[2])
     num_seqs, num_qo_heads, head_dim = q.shape
     for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
         if pool.dim() != 4 or pool.shape[3] != head_dim:
@@ -109,9 +117,9 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
     check_tensor("seq_lens", seq_lens, torch.int32, q.device, "q")
     check_tensor("q", q, q.dtype, q.device, "q")
     if out is not None:
+        check_tensor("out", out, q.dtype, q.device, "q")
         if out.shape != q.shape:
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
-        check_tensor("out", out, q.dtype, q.device, "q")
 
 
 def _check_lengths_fit(block_tables, seq_lens, page_size) -> None:
@@ -119,3 +127,14 @@ def _check_lengths_fit(block_tables, seq_lens, page_size) -> None:
     if seq_lens.numel() and (int(seq_lens.max()) > capacity or int(seq_lens.min()) < 0):
         raise ValueError(f"seq_lens must lie in [0, {capacity}] (max_blocks * block_size), "
                          f"got [{int(seq_lens.min())}, {int(seq_lens.max())}]")
+
+
+def _check_blocks_exist(block_tables, num_blocks) -> None:
+    """Every table entry names a block of the pool: the PyTorch path gathers whole rows (on
+    CUDA the check would need a sync, and the kernels read only the entries below each
+    length)."""
+    if block_tables.numel() and (int(block_tables.min()) < 0 or
+                                 int(block_tables.max()) >= num_blocks):
+        bad = block_tables[(block_tables < 0) | (block_tables >= num_blocks)][0]
+        raise ValueError(f"block_tables entries must lie in [0, {num_blocks - 1}] (the pool's "
+                         f"blocks), got {int(bad)}")

@@ -16,10 +16,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .. import dispatch, planner, runtime, specializations, torch_path
+from .. import dispatch, log, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import Launch
-from .checks import check_tensor
+from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
@@ -52,11 +52,13 @@ class TreeAttentionPlan:
         self.allocator = allocator
         self.num_qo_heads = _check_heads(num_qo_heads, allocator.num_kv_heads)
         self.head_dim = allocator.head_dim
-        self.sm_scale = _check_scale(sm_scale, self.head_dim)
+        self.sm_scale = check_scale(sm_scale, self.head_dim)
         device = allocator.device
-        if device.type == "cuda":
-            dispatch.check_dtype(str(allocator.dtype).removeprefix("torch."))
-            dispatch.check_head_dim(self.head_dim)
+        if device.type == "cuda" or arch is not None:  # the kernels will run: compiled?
+            check_compiled("allocator", allocator.dtype, self.head_dim)
+        for name, value in (("target_chunk", target_chunk), ("num_sms", num_sms)):
+            if value is not None:
+                as_int(name, value, low=1)
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
         self.tree_version = allocator.tree_version
@@ -144,6 +146,9 @@ class TreeAttentionPlan:
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
         final_tokens = int((lengths - self.arrays.final_start).max())
         final_config = dispatch.decode_config(self.head_dim, self.arch, final_tokens)
+        if log.enabled():
+            log.config_chosen("tree_final", "decode_config", final_config, self.arch,
+                              self.head_dim, final_tokens)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
                           (self.tables, self.lengths, self._final_start, self._merge_ptr,
@@ -154,8 +159,12 @@ class TreeAttentionPlan:
         """The config for these items: by their longest range (decode tile only)."""
         fields = specializations.TREE_ITEM_FIELDS
         lengths = records[:, fields.index("kv_end")] - records[:, fields.index("kv_start")]
-        return dispatch.tree_partial_config(self.head_dim, block_m, self.arch,
-                                            int(lengths.max(initial=0)))
+        max_tokens = int(lengths.max(initial=0))
+        config = dispatch.tree_partial_config(self.head_dim, block_m, self.arch, max_tokens)
+        if log.enabled():
+            log.config_chosen("tree_partial", "tree_partial_config", config, self.arch,
+                              self.head_dim, max_tokens, block_m)
+        return config
 
     def _upload_work_lists(self, device: torch.device) -> None:
         """One host-to-device copy of every int32 list. Each gets a slot of a multiple of 4
@@ -174,20 +183,14 @@ class TreeAttentionPlan:
 
     def _validate(self, q, layer, out) -> None:
         expected = (self.num_branches, self.num_qo_heads, self.head_dim)
-        if not isinstance(q, torch.Tensor) or tuple(q.shape) != expected:
-            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
-            raise ValueError(f"q must be [num_branches, num_qo_heads, head_dim] = {expected}, "
-                             f"got {got}")
-        check_tensor("q", q, self.allocator.dtype, self.allocator.device, "the allocator")
-        if isinstance(layer, bool) or not isinstance(layer, int) or \
-                not 0 <= layer < self.allocator.num_layers:
-            raise ValueError(f"layer must be an int in [0, {self.allocator.num_layers - 1}], "
-                             f"got {layer!r}")
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
-                raise ValueError(f"out must have q's shape {expected}")
-            check_tensor("out", out, self.allocator.dtype, self.allocator.device,
-                         "the allocator")
+        for name, t in (("q", q), ("out", out)):
+            if t is None:  # out only
+                continue
+            check_tensor(name, t, self.allocator.dtype, self.allocator.device, "the allocator")
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must be [num_branches, num_qo_heads, head_dim] = "
+                                 f"{expected}, got {tuple(t.shape)}")
+        check_layer(layer, self.allocator.num_layers)
 
 
 _plans: "weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple]" = weakref.WeakKeyDictionary()
@@ -204,9 +207,11 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     head count are unchanged (the layers of one step, and steps that only append). Engines
     that want to control planning use :class:`TreeAttentionPlan` directly.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3:
         raise ValueError(f"q must be [num_branches, num_qo_heads, head_dim], got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q)}")
+                         f"{tuple(q.shape)}")
     ids = np.asarray(branch_ids)
     cached = _plans.get(allocator) if isinstance(allocator, PhysicalKVAllocator) else None
     if cached is not None and cached[0] == (q.shape[1], sm_scale) and _same_ids(cached[1], ids) \
@@ -216,8 +221,9 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
         except StalePlan:  # the branches outgrew its tables: plan again
             pass
     plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale)
-    _plans[allocator] = ((q.shape[1], sm_scale), plan)
-    return plan.run(q, layer, out)
+    out = plan.run(q, layer, out)
+    _plans[allocator] = ((q.shape[1], sm_scale), plan)  # only a plan that ran is kept
+    return out
 
 
 def _same_ids(plan: TreeAttentionPlan, ids: np.ndarray) -> bool:
@@ -227,15 +233,8 @@ def _same_ids(plan: TreeAttentionPlan, ids: np.ndarray) -> bool:
 
 
 def _check_heads(num_qo_heads, num_kv_heads: int) -> int:
-    if isinstance(num_qo_heads, bool) or not isinstance(num_qo_heads, int) or \
-            num_qo_heads < 1 or num_qo_heads % num_kv_heads:
+    num_qo_heads = as_int("num_qo_heads", num_qo_heads, low=1)
+    if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads must be a positive multiple of the allocator's "
-                         f"num_kv_heads ({num_kv_heads}), got {num_qo_heads!r}")
+                         f"num_kv_heads ({num_kv_heads}), got {num_qo_heads}")
     return num_qo_heads
-
-
-def _check_scale(sm_scale, head_dim: int) -> float:
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
-    return scale

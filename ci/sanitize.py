@@ -1,0 +1,173 @@
+"""Runs every kernel at least once on edge-shaped trees, for compute-sanitizer (ci/sanitize.sh).
+
+Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
+copies of copy-on-write, tree_partial (both tiles) and tree_final, paged_decode unsplit and
+split, merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
+inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
+checked against the float64 reference; exits 1 on a wrong one.
+
+Every buffer a kernel may read is initialised, so initcheck reports only real reads of
+uninitialised memory: the pools' data blocks are poisoned with NaN first (a read of a slot
+no branch wrote would also make the result NaN), outputs are poisoned with NaN; the plans'
+partial buffers are left as allocated (the partial kernels must write every entry the final
+kernels read).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference, runtime
+from flash_reasoning.ops.paged_decode import decode_launches
+from flash_reasoning.synthetic import random_kv
+
+BLOCK = 16
+DEVICE = "cuda"
+
+
+def poisoned_allocator(num_blocks, kv_heads, head_dim, dtype, layers=1) -> PhysicalKVAllocator:
+    alloc = PhysicalKVAllocator(num_blocks, BLOCK, kv_heads, head_dim, num_layers=layers,
+                                dtype=dtype, device=DEVICE)
+    for pool in alloc.k_pools + alloc.v_pools:
+        pool[1:].fill_(float("nan"))  # block 0 is the zero block
+    return alloc
+
+
+def write(alloc, gen, branch, n, start=0):
+    for layer in range(alloc.num_layers):
+        alloc.write(branch, layer, *random_kv(alloc, gen, n), start=start)
+
+
+def decode_step(alloc, gen, ids):
+    """reserve + append in every layer: copies each shared partial block first."""
+    step = alloc.reserve(ids)
+    for layer in range(alloc.num_layers):
+        alloc.append(step, layer, *random_kv(alloc, gen, len(ids)))
+
+
+def edge_tree(dtype, kv_heads, head_dim):
+    """Empty branches, length 1, block multiples, forks at 0 and inside blocks, two
+    decode steps; the two layers written alike."""
+    gen = torch.Generator().manual_seed(0)
+    alloc = poisoned_allocator(256, kv_heads, head_dim, dtype, layers=2)
+    root = alloc.alloc_branch(0).branch_id
+    write(alloc, gen, root, 4 * BLOCK + 5)
+    ids = [root, alloc.alloc_branch(0).branch_id]                           # length 0
+    one = alloc.alloc_branch(0).branch_id
+    write(alloc, gen, one, 1)                                               # length 1
+    ids.append(one)
+    for position, extra in ((0, 0), (0, 1), (0, BLOCK), (BLOCK, BLOCK), (2 * BLOCK, 0),
+                            (BLOCK + 3, 20), (4 * BLOCK + 5, 2 * BLOCK - 5)):
+        kid = alloc.alloc_branch(position, parent_branch_id=root,
+                                 fork_position=position).branch_id           # at 0 / inside
+        write(alloc, gen, kid, extra, start=position)
+        ids.append(kid)
+    decode_step(alloc, gen, ids[2:])     # the empty ones stay empty
+    decode_step(alloc, gen, ids[2:])
+    return alloc, ids
+
+
+def wide_tree(count=1024):
+    """``count`` branches under a 64-token root: empty, length 1, block multiples, forks at 0
+    and inside blocks; then one decode step over all of them."""
+    gen = torch.Generator().manual_seed(1)
+    alloc = poisoned_allocator(2 * count + 64, 8, 128, torch.float16)
+    root = alloc.alloc_branch(0).branch_id
+    write(alloc, gen, root, 4 * BLOCK)
+    ids = []
+    for i in range(count):
+        position = (0, 1, BLOCK, 4 * BLOCK, 37)[i % 5]
+        kid = alloc.alloc_branch(position, parent_branch_id=root,
+                                 fork_position=position).branch_id
+        write(alloc, gen, kid, (0, 1, BLOCK, 2 * BLOCK, 5)[i % 5], start=position)
+        ids.append(kid)
+    decode_step(alloc, gen, ids[1::2])
+    return alloc, ids
+
+
+def shared_prefix_tree(leaves):
+    """A 600-token root under ``leaves`` leaves of 40 tokens: computed once for all of them
+    (4 leaves x group 4 fill the 16-row tile, 8 leaves the 64-row one)."""
+    gen = torch.Generator().manual_seed(2)
+    alloc = poisoned_allocator(64 + 4 * leaves, 8, 128, torch.float16)
+    root = alloc.alloc_branch(0).branch_id
+    write(alloc, gen, root, 600)
+    ids = [alloc.alloc_branch(600, parent_branch_id=root).branch_id for _ in range(leaves)]
+    for kid in ids:
+        write(alloc, gen, kid, 40, start=600)
+    alloc.free_branch(root)
+    return alloc, ids
+
+
+class Checker:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.checks = 0
+        self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
+
+    def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        err = reference.relative_error(out, ref)
+        ok = err < reference.TOLERANCE[out.dtype]
+        self.checks += 1
+        print(f"{'ok  ' if ok else 'FAIL'} {what}: relative error {err:.2e}", flush=True)
+        if not ok:
+            self.failures.append(what)
+
+
+def queries(alloc, ids, group, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(len(ids), group * alloc.num_kv_heads, alloc.head_dim, generator=gen)
+    return q.to(alloc.dtype).to(DEVICE)
+
+
+def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)) -> None:
+    """tree_attention in every layer (one plan per chunking), then paged_decode over the same
+    branches unsplit and split in four (the merge kernel)."""
+    q = queries(alloc, ids, group)
+    refs = [reference.tree_attention(q, alloc, ids, layer) for layer in range(alloc.num_layers)]
+    for chunk in chunks:
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk)
+        check.tiles.update(plan.arrays.items)
+        for layer in range(alloc.num_layers):
+            out = plan.run(q, layer, torch.full_like(q, float("nan")))
+            check(f"{name}: tree_attention layer {layer}, chunk {chunk}, partial tiles "
+                  f"{sorted(plan.arrays.items)}", out, refs[layer])
+    tables, lengths = alloc.block_tables(ids)
+    device = q.device
+    for splits in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        runtime.run(decode_launches(q, alloc.k_pools[0], alloc.v_pools[0], tables, lengths, out,
+                                    1 / math.sqrt(alloc.head_dim), runtime.arch_of(device.index),
+                                    runtime.num_sms(device.index), num_splits=splits), device)
+        check(f"{name}: paged_decode, {splits} splits", out, refs[0])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--branches", type=int, default=1024, help="of the wide tree")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("sanitize.py: no CUDA device")
+        return 2
+    check = Checker()
+    for dtype, kv_heads, head_dim, group in ((torch.float16, 8, 128, 4),
+                                             (torch.bfloat16, 2, 64, 1),
+                                             (torch.float16, 2, 256, 8)):
+        name = f"edges {str(dtype)[6:]} d{head_dim} kv{kv_heads} group {group}"
+        check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16))
+    for leaves in (4, 8):
+        check_tree(check, f"shared prefix x{leaves}", *shared_prefix_tree(leaves), 4,
+                   chunks=(None, 64))
+    check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
+    print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
+          f"tiles run: {sorted(check.tiles)}", flush=True)
+    return 1 if check.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The package's logger: which kernel and config each call was given, and why.
+
+``FLASH_REASONING_LOG=debug`` (any ``logging`` level name) sets the level of the
+``flash_reasoning`` logger when this module is first imported and sends its records to
+stderr; applications may configure the logger themselves instead. Off by default: call
+sites guard with :func:`enabled`, so building a message costs nothing then.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+from . import dispatch
+
+logger = logging.getLogger("flash_reasoning")
+ENV_VAR = "FLASH_REASONING_LOG"
+
+
+def level_from_env(value: str | None) -> int | None:
+    """The logging level named by the variable's value (``debug``, ``INFO``, ``10``);
+    ``None`` when unset or unknown (a typo must not break ``import``: it warns)."""
+    if not value:
+        return None
+    level = int(value) if value.isdigit() else logging.getLevelName(value.upper())
+    if isinstance(level, int):
+        return level
+    warnings.warn(f"{ENV_VAR}={value!r} is not a logging level (debug, info, warning, ...); "
+                  "ignored", stacklevel=2)
+    return None
+
+
+def _configure_from_env() -> None:
+    level = level_from_env(os.environ.get(ENV_VAR))
+    if level is None:
+        return
+    logger.setLevel(level)
+    if not logger.handlers:  # without one, Python's last-resort handler drops DEBUG records
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def enabled() -> bool:
+    """Whether debug records are wanted: call sites test this before building one."""
+    return logger.isEnabledFor(logging.DEBUG)
+
+
+def config_chosen(kernel: str, rule: str, config: tuple[int, int, int], arch: str | None,
+                  head_dim: int, max_tokens: int | None, block_m: int = dispatch.BLOCK_M,
+                  few_programs: bool = False, given: bool = False) -> None:
+    """One debug record: ``kernel``'s (BLOCK_N, warps, stages) ``config`` as ``rule``
+    (the dispatch function) chose it from these inputs, and the reason."""
+    block_n, warps, stages = config
+    inputs = f"head_dim={head_dim}, max_tokens={max_tokens}"
+    inputs += f", block_m={block_m}" if block_m != dispatch.BLOCK_M else ""
+    inputs += ", few_programs=True" if few_programs else ""
+    reason = "given by the caller" if given else \
+        config_reason(config, head_dim, block_m, max_tokens, few_programs)
+    logger.debug("%s (%s): %s(%s) -> BLOCK_N %d, %d warps, %d stages (%s)", kernel, arch, rule,
+                 inputs, block_n, warps, stages, reason)
+
+
+def config_reason(config: tuple[int, int, int], head_dim: int, block_m: int,
+                  max_tokens: int | None, few_programs: bool) -> str:
+    """Which of dispatch's rules gives ``config``, in the order dispatch tries them (named
+    from its constants, so a changed bound shows here); "no rule" when none does, e.g. a
+    config from a tuning table."""
+    if head_dim == 256:
+        return "head_dim 256: its measured config"
+    if block_m != dispatch.BLOCK_M:
+        return f"wide tile ({block_m} rows): long shared ranges, deep pipeline"
+    if few_programs and config == dispatch.FEW_PROGRAMS_CONFIG:
+        return "few programs (split): a deeper pipeline hides their latency"
+    for bound, short in dispatch.SHORT_RANGE_CONFIGS:
+        if max_tokens is not None and max_tokens <= bound:
+            return f"range <= {bound} tokens" if config == short else "no rule"
+    if config == dispatch.LONG_RANGE_CONFIG:
+        longest = dispatch.SHORT_RANGE_CONFIGS[-1][0]
+        return "range unknown: long" if max_tokens is None else f"range > {longest} tokens"
+    return "no rule"
+
+
+def splits_chosen(num_seqs: int, programs_per_seq: int, capacity: int, num_sms: int,
+                  splits: int, given: bool) -> None:
+    """One debug record: how many splits a paged decode takes, and why."""
+    programs = num_seqs * programs_per_seq
+    if given:
+        reason = "given by the caller"
+    elif splits == 1:
+        reason = f"{programs} programs: enough for {num_sms} SMs, or none" \
+            if programs == 0 or programs >= num_sms else \
+            f"too short to split (< 2 x {dispatch.MIN_TOKENS_PER_SPLIT} tokens)"
+    else:
+        reason = f"{programs} programs < {num_sms} SMs: split toward 2 programs per SM"
+    logger.debug("paged_decode: num_splits(num_seqs=%d, programs_per_seq=%d, capacity=%d, "
+                 "num_sms=%d) -> %d (%s)", num_seqs, programs_per_seq, capacity, num_sms, splits,
+                 reason)
+
+
+_configure_from_env()

@@ -1,0 +1,601 @@
+"""Tests of the C ABI (csrc/capi, libflash_reasoning.so) through cffi, from the header text.
+
+CPU: the header parses, the exports are exactly its functions, every bad argument gives its
+status and message and leaves ``*out`` untouched, host-only contexts plan as Python plans.
+Driver tests run in a fresh interpreter (libcuda is loaded once per process): with no
+libcuda, and with test_launcher's fake driver (device memory is host memory there), which
+is enough to create, update and reject plans. GPU: the cffi path against the Python API and
+the float64 reference.
+"""
+import json
+import re
+import shutil
+import subprocess
+import textwrap
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import gpu, poisoned_like
+from flash_reasoning import capi, reference, runtime
+from test_launcher import fake_libcuda, isolated  # noqa: F401 (fake_libcuda is a fixture)
+
+cffi = pytest.importorskip("cffi")
+
+FR_OK, FR_INVALID_ARGUMENT, FR_NOT_FOUND, FR_INVALID_MANIFEST = 0, 1, 2, 3
+FR_DRIVER_UNAVAILABLE, FR_CUDA_ERROR, FR_PLAN_MISMATCH, FR_UNSUPPORTED = 5, 6, 10, 11
+FR_FLOAT16, FR_BFLOAT16 = 1, 2
+# Host-only contexts read this folder (sm90 unless a GPU check built another arch alone);
+# they plan for 132 SMs whatever the arch.
+ARCH = runtime.available_archs()[-1]
+SENTINEL = 0x5EED  # what a failed call must leave in *out
+SEED_SHAPE = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=FR_FLOAT16, block_size=16,
+                  num_blocks=4096, sm_scale=0.0)
+
+
+class CApi:
+    """The library opened through cffi from the header text, plus what the tests share
+    (also imported by the fresh interpreters of the driver tests)."""
+
+    def __init__(self):
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(capi.cdef_text())
+        self.lib = self.ffi.dlopen(str(capi.library_path()))
+
+    def error(self) -> str:
+        return self.ffi.string(self.lib.frGetLastError()).decode()
+
+    def call(self, name: str, *args) -> tuple[int, str]:
+        """(status, last error) of one call."""
+        return int(getattr(self.lib, name)(*args)), self.error()
+
+    def out(self, ctype: str):
+        """An out-parameter holding SENTINEL, to see that a failed call leaves it alone."""
+        box = self.ffi.new(ctype + "*")
+        box[0] = self.ffi.cast(ctype, SENTINEL)
+        return box
+
+    def untouched(self, box) -> bool:
+        return int(self.ffi.cast("uintptr_t", box[0])) == SENTINEL
+
+    def host_context(self, root=None, arch=ARCH):
+        box = self.out("frContext")
+        rc, msg = self.call("frContextCreateHostOnly", str(root or capi.artifact_root()).encode(), arch.encode(), box)
+        assert rc == FR_OK, msg
+        return box[0]
+
+    def plan(self, context, problem: "Problem"):
+        """(status, message, plan handle or None)."""
+        box = self.out("frPlan")
+        rc, msg = self.call("frPlanCreate", context, problem.shape_c(self), problem.tree_c(self), problem.extra, box)
+        assert (rc == FR_OK) != self.untouched(box), "a failed frPlanCreate must leave *out untouched"
+        return rc, msg, box[0] if rc == FR_OK else None
+
+    def info(self, plan) -> dict:
+        info = self.ffi.new("frPlanInfo*")
+        rc, msg = self.call("frPlanGetInfo", plan, info)
+        assert rc == FR_OK, msg
+        return {name: getattr(info, name) for name in dir(info)}
+
+    def pointer(self, address: int):
+        return self.ffi.cast("void*", address)
+
+
+@dataclass
+class Problem:
+    """One frPlanCreate call's arguments as numpy arrays and a dict, easy to spoil."""
+    lengths: np.ndarray
+    tables: np.ndarray
+    shape: dict = field(default_factory=lambda: dict(SEED_SHAPE))
+    stride: int = 0  # 0: the tables' width
+    num_branches: int | None = None  # None: len(lengths)
+    extra: int = 1
+    _keep: list = field(default_factory=list)
+
+    def shape_c(self, api: CApi):
+        return api.ffi.new("frAttentionShape*", self.shape)
+
+    def tree_c(self, api: CApi):
+        """An frTree pointing into arrays this problem owns: keep the problem alive with it."""
+        lengths = np.ascontiguousarray(self.lengths, np.int32)
+        tables = np.ascontiguousarray(self.tables, np.int32)
+        self._keep += [lengths, tables]  # alive as long as the problem
+        return api.ffi.new("frTree*", dict(
+            num_branches=len(lengths) if self.num_branches is None else self.num_branches,
+            lengths=api.ffi.from_buffer("int32_t[]", lengths), block_tables=api.ffi.from_buffer("int32_t[]", tables),
+            table_stride=self.stride or tables.shape[1]))
+
+
+SPARE_COLUMNS = 2  # table columns beyond the leaves, for updates that grow (or outgrow) a plan
+
+
+def shared_root(num_branches: int, root: int, leaf: int, block_size: int = 16) -> Problem:
+    """A root of `root` tokens (a multiple of block_size) in blocks 0.. shared by every branch,
+    then each branch's `leaf` tokens in its own blocks, then SPARE_COLUMNS own blocks more."""
+    root_blocks, own_blocks = root // block_size, -(-leaf // block_size) + SPARE_COLUMNS
+    tables = np.zeros((num_branches, root_blocks + own_blocks), np.int32)
+    tables[:, :root_blocks] = np.arange(root_blocks)
+    tables[:, root_blocks:] = root_blocks + np.arange(num_branches * own_blocks).reshape(num_branches, own_blocks)
+    return Problem(np.full(num_branches, root + leaf, np.int32), tables)
+
+
+def entry(row: int, column: int, block: int):
+    """A spoiler: one table entry changed."""
+    return lambda problem: problem.tables.__setitem__((row, column), block)
+
+
+def length(row: int, tokens: int):
+    return lambda problem: problem.lengths.__setitem__(row, tokens)
+
+
+@pytest.fixture(scope="module")
+def api():
+    return CApi()
+
+
+@pytest.fixture(scope="module")
+def host_context(api):
+    context = api.host_context()
+    yield context
+    api.lib.frContextDestroy(context)
+
+
+def header_functions() -> set[str]:
+    return set(re.findall(r"^\S[^(;]*\b(fr[A-Z]\w*)\(", capi.header_path().read_text(), re.M))
+
+
+# ---------------------------------------------------------------- the header and the library
+
+def test_header_declares_exactly_the_exports(api):
+    declared = header_functions()
+    assert len(declared) >= 20 and all(getattr(api.lib, name) for name in declared)
+    nm = shutil.which("nm")
+    if not nm:
+        pytest.skip("no nm to list the library's exports")
+    listing = subprocess.run([nm, "-D", "--defined-only", str(capi.library_path())], capture_output=True,
+                             text=True, check=True).stdout
+    assert {line.split()[-1] for line in listing.splitlines()} == declared
+
+
+def test_version_and_status_names(api):
+    import flash_reasoning
+    assert api.ffi.string(api.lib.frVersion()).decode() == flash_reasoning.__version__
+    statuses = api.ffi.typeof("frStatus").relements  # name -> value, as cffi read the header
+    assert len(statuses) == 12 and statuses["FR_UNSUPPORTED"] == FR_UNSUPPORTED
+    for name, value in statuses.items():
+        assert api.ffi.string(api.lib.frStatusName(value)).decode() == name
+    assert api.ffi.string(api.lib.frStatusName(99)).decode() == "FR_UNKNOWN_STATUS"
+
+
+# ---------------------------------------------------------------- contexts
+
+def test_context_null_arguments(api):
+    root = str(capi.artifact_root()).encode()
+    box = api.out("frContext")
+    for name, args in [("frContextCreate", (api.ffi.NULL, 0, box)), ("frContextCreate", (root, 0, api.ffi.NULL)),
+                       ("frContextCreateHostOnly", (root, api.ffi.NULL, box)),
+                       ("frContextCreateHostOnly", (api.ffi.NULL, b"sm90", box))]:
+        rc, msg = api.call(name, *args)
+        assert rc == FR_INVALID_ARGUMENT and "must not be NULL" in msg, (name, msg)
+    assert api.untouched(box)
+    assert api.call("frContextArch", api.ffi.NULL, api.ffi.new("char**"))[0] == FR_INVALID_ARGUMENT
+    assert api.call("frContextDestroy", api.ffi.NULL) == (FR_OK, "")
+
+
+def test_host_context_arch(api, host_context):
+    arch = api.ffi.new("char**")
+    assert api.call("frContextArch", host_context, arch)[0] == FR_OK
+    assert api.ffi.string(arch[0]).decode() == ARCH
+
+
+def test_host_context_missing_arch(api, tmp_path):
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreateHostOnly", str(tmp_path).encode(), b"sm90", box)
+    assert rc == FR_NOT_FOUND and str(tmp_path / "sm90") in msg and api.untouched(box)
+
+
+def test_manifest_of_another_version(api, tmp_path):
+    shutil.copytree(capi.artifact_root() / ARCH, tmp_path / ARCH)
+    manifest = json.loads((tmp_path / ARCH / "manifest.json").read_text())
+    manifest["package_version"] = "0.0.1"
+    (tmp_path / ARCH / "manifest.json").write_text(json.dumps(manifest))
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreateHostOnly", str(tmp_path).encode(), ARCH.encode(), box)
+    assert rc == FR_INVALID_MANIFEST and "'0.0.1'" in msg and "0.1.0" in msg and api.untouched(box)
+
+
+# ---------------------------------------------------------------- plans: validation (host-only)
+
+def small_problem() -> Problem:
+    """3 branches of 80 tokens: a 64-token root (blocks 0-3, computed once: the cost model
+    prefers reading it once to re-reading it per branch), 16 own tokens each (column 4);
+    tables 7 wide; extra_blocks 1, so plans hold 6 columns."""
+    return shared_root(3, root=64, leaf=16)
+
+
+@pytest.mark.parametrize("spoil, status, fragments", [
+    (lambda p: p.shape.update(dtype=7), FR_INVALID_ARGUMENT, ["shape.dtype", "frDtype 7"]),
+    (lambda p: p.shape.update(head_dim=96), FR_UNSUPPORTED, ["head_dim 96", f"not compiled for {ARCH}",
+                                                             "compiled head_dims: 64, 128, 256"]),
+    (lambda p: p.shape.update(num_qo_heads=12), FR_INVALID_ARGUMENT, ["shape.num_qo_heads", "multiple", "got 12"]),
+    (lambda p: p.shape.update(num_kv_heads=0), FR_INVALID_ARGUMENT, ["shape.num_kv_heads", "got 0"]),
+    (lambda p: p.shape.update(block_size=0), FR_INVALID_ARGUMENT, ["shape.block_size"]),
+    (lambda p: p.shape.update(sm_scale=float("nan")), FR_INVALID_ARGUMENT, ["shape.sm_scale", "finite"]),
+    (lambda p: p.shape.update(sm_scale=-1.0), FR_INVALID_ARGUMENT, ["shape.sm_scale"]),
+    (length(1, -1), FR_INVALID_ARGUMENT, ["tree.lengths[1]", "got -1"]),
+    (entry(1, 2, 4096), FR_INVALID_ARGUMENT, ["block_tables[1][2] is 4096", "shape.num_blocks = 4096"]),
+    (entry(2, 4, -3), FR_INVALID_ARGUMENT, ["block_tables[2][4] is -3"]),
+    (lambda p: setattr(p, "stride", 4), FR_INVALID_ARGUMENT, ["5 blocks", "tree.table_stride is 4"]),
+    (lambda p: setattr(p, "num_branches", -1), FR_INVALID_ARGUMENT, ["tree.num_branches", "got -1"]),
+    (lambda p: setattr(p, "extra", -1), FR_INVALID_ARGUMENT, ["extra_blocks", "got -1"]),
+])
+def test_plan_create_rejects(api, host_context, spoil, status, fragments):
+    problem = small_problem()
+    assert api.plan(host_context, problem)[0] == FR_OK  # unspoilt, it plans
+    spoil(problem)
+    rc, msg, _ = api.plan(host_context, problem)
+    assert rc == status, msg
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+
+
+def test_plan_create_null_arguments(api, host_context):
+    problem = small_problem()
+    shape, tree, box = problem.shape_c(api), problem.tree_c(api), api.out("frPlan")
+    null = api.ffi.NULL
+    for args, fragment in [((null, shape, tree, 1, box), "context"), ((host_context, null, tree, 1, box), "shape"),
+                           ((host_context, shape, null, 1, box), "tree"),
+                           ((host_context, shape, tree, 1, null), "out")]:
+        rc, msg = api.call("frPlanCreate", *args)
+        assert rc == FR_INVALID_ARGUMENT and fragment in msg and "NULL" in msg, msg
+    empty_lengths = api.ffi.new("frTree*", dict(num_branches=2, lengths=null, block_tables=null, table_stride=4))
+    rc, msg = api.call("frPlanCreate", host_context, shape, empty_lengths, 1, box)
+    assert rc == FR_INVALID_ARGUMENT and "tree.lengths and tree.block_tables" in msg
+    assert api.untouched(box)
+    assert api.call("frPlanGetInfo", null, api.ffi.new("frPlanInfo*"))[0] == FR_INVALID_ARGUMENT
+    assert api.call("frPlanDestroy", null) == (FR_OK, "")
+
+
+def test_host_only_context_refuses_device_work(api, host_context):
+    _, _, plan = api.plan(host_context, small_problem())
+    problem, p = small_problem(), api.pointer(256)
+    shape = problem.shape_c(api)
+    calls = {
+        "frPlanRun": (plan, p, p, p, p, api.ffi.NULL),
+        "frPlanUpdate": (plan, problem.tree_c(api), api.ffi.NULL),
+        "frAppendKV": (host_context, p, p, p, p, p, 1, 8, 128, api.ffi.NULL),
+        "frPagedDecode": (host_context, shape, p, p, p, p, p, 1, 4, p, api.ffi.NULL, 0, api.ffi.NULL),
+        "frDeviceAlloc": (host_context, 64, api.ffi.new("void**")),
+        "frCopyToDevice": (host_context, p, api.ffi.new("char[8]"), 8),
+        "frStreamSynchronize": (host_context, api.ffi.NULL),
+    }
+    for name, args in calls.items():
+        rc, msg = api.call(name, *args)
+        assert rc == FR_DRIVER_UNAVAILABLE and "needs a GPU" in msg and "host-only" in msg, (name, msg)
+    api.lib.frPlanDestroy(plan)
+
+
+# ---------------------------------------------------------------- plans: what they decide (host-only)
+
+def test_seed_tree_plan_info(api, host_context):
+    problem = shared_root(256, root=2048, leaf=64)
+    rc, msg, plan = api.plan(host_context, problem)
+    assert rc == FR_OK, msg
+    info = api.info(plan)
+    workspace = info.pop("workspace_bytes")
+    assert info == dict(num_branches=256, num_nodes=257, computed_nodes=1, num_launches=2,
+                        max_blocks=2048 // 16 + 4 + problem.extra, unique_tokens=2048 + 256 * 64,
+                        logical_tokens=256 * (2048 + 64))
+    assert workspace >= 256 * 32 * 128 * 4  # at least the root's fp32 partials
+    api.lib.frPlanDestroy(plan)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_planner_agrees_with_python(api, host_context, seed):
+    from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan
+    from flash_reasoning.synthetic import random_branches
+    alloc = PhysicalKVAllocator(1024, 16, 2, 64, device="cpu")
+    ids = random_branches(alloc, 24, 3, 200, seed=seed, roots=1 + seed % 2)
+    tables, lengths = alloc.block_tables(ids)
+    problem = Problem(lengths.numpy(), tables.numpy(), shape=dict(SEED_SHAPE, num_qo_heads=8, num_kv_heads=2,
+                                                                  head_dim=64, num_blocks=1024))
+    rc, msg, plan = api.plan(host_context, problem)
+    assert rc == FR_OK, msg
+    python = TreeAttentionPlan(alloc, ids, 8, num_sms=132)  # its tree comes from fork histories
+    tree = alloc.segment_tree(ids)
+    info = api.info(plan)
+    assert info["computed_nodes"] > 0
+    assert (info["num_nodes"], info["computed_nodes"], info["num_launches"], info["unique_tokens"],
+            info["logical_tokens"]) == (tree.num_nodes, python.arrays.stats["computed_nodes"],
+                                        len(python.arrays.items) + 1, int((tree.node_end - tree.node_start).sum()),
+                                        int(lengths.sum()))
+    api.lib.frPlanDestroy(plan)
+
+
+@pytest.mark.parametrize("seq_lens", [[3000, 40], [100] * 200])
+def test_paged_decode_workspace_size_agrees_with_python(api, host_context, seq_lens):
+    from flash_reasoning import dispatch
+    shape, max_blocks = SEED_SHAPE, -(-max(seq_lens) // 16)
+    tiles = dispatch.decode_tiles_per_kv_head(32, 8) * 8
+    splits = dispatch.num_splits(len(seq_lens), tiles, max_blocks * 16, 132)
+    partial_out = len(seq_lens) * 32 * splits * 128 * 4
+    expected = 0 if splits == 1 else -(-partial_out // 256) * 256 + len(seq_lens) * 32 * splits * 4
+    size = api.ffi.new("size_t*")
+    rc, msg = api.call("frPagedDecodeWorkspaceSize", host_context, api.ffi.new("frAttentionShape*", shape),
+                       len(seq_lens), max_blocks, size)
+    assert rc == FR_OK and size[0] == expected, msg
+    rc, msg = api.call("frPagedDecodeWorkspaceSize", host_context,
+                       api.ffi.new("frAttentionShape*", dict(shape, head_dim=96)), 2, 4, size)
+    assert rc == FR_UNSUPPORTED and size[0] == expected
+
+
+# ---------------------------------------------------------------- the driver (fresh interpreters)
+
+CAPI_PRELUDE = """
+from flash_reasoning import capi
+from test_capi import CApi, entry, length, small_problem
+api = CApi()
+root = str(capi.artifact_root()).encode()
+"""
+
+
+def in_fresh_interpreter(body: str, libcuda) -> dict:
+    """test_launcher's `isolated` with the library opened as `api` and the artifacts as `root`."""
+    return isolated(CAPI_PRELUDE + textwrap.dedent(body), libcuda)
+
+
+def test_context_without_driver(tmp_path):
+    missing = tmp_path / "no" / "libcuda.so.1"
+    out = in_fresh_interpreter("""
+        box = api.out("frContext")
+        out["first"] = api.call("frContextCreate", root, 0, box)
+        out["again"] = api.call("frContextCreate", root, 0, box)
+        out["untouched"] = api.untouched(box)
+        out["negative"] = api.call("frContextCreate", root, -1, box)
+    """, libcuda=missing)
+    for key in ("first", "again"):  # a failed load is retried, and fails the same way
+        status, message = out[key]
+        assert status == FR_DRIVER_UNAVAILABLE and "could not load libcuda" in message, message
+        assert f"FLASH_REASONING_LIBCUDA={missing}" in message and "NVIDIA driver" in message
+    assert out["untouched"]
+    assert out["negative"][0] == FR_INVALID_ARGUMENT and "device must be >= 0" in out["negative"][1]
+
+
+def test_fake_driver_context_and_memory(fake_libcuda):
+    out = in_fresh_interpreter("""
+        box = api.out("frContext")
+        out["create"] = api.call("frContextCreate", root, 0, box)
+        context = box[0]
+        arch = api.ffi.new("char**")
+        api.lib.frContextArch(context, arch)
+        out["arch"] = api.ffi.string(arch[0]).decode()
+        bad = api.out("frContext")
+        out["bad_device"] = [*api.call("frContextCreate", root, 3, bad), api.untouched(bad)]
+        pointer = api.ffi.new("void**")
+        out["alloc"] = api.call("frDeviceAlloc", context, 4096, pointer)
+        sent, back = bytes(range(256)) * 16, api.ffi.new("char[4096]")
+        out["to_device"] = api.call("frCopyToDevice", context, pointer[0], sent, 4096)
+        out["to_host"] = api.call("frCopyToHost", context, back, pointer[0], 4096)
+        out["round_trip"] = api.ffi.buffer(back)[:] == sent
+        out["null_source"] = api.call("frCopyToDevice", context, pointer[0], api.ffi.NULL, 8)
+        out["sync"] = api.call("frStreamSynchronize", context, api.ffi.NULL)
+        out["free"] = api.call("frDeviceFree", context, pointer[0])
+    """, libcuda=fake_libcuda)
+    assert out.pop("create") == [FR_OK, ""] and out.pop("arch") == "sm90"
+    status, message, untouched = out.pop("bad_device")
+    assert status == FR_CUDA_ERROR and "cuDeviceGet(3)" in message and "CUDA_ERROR_INVALID_DEVICE" in message
+    assert untouched and out.pop("round_trip")
+    assert out.pop("null_source")[0] == FR_INVALID_ARGUMENT
+    assert all(result == [FR_OK, ""] for result in out.values()), out
+
+
+def test_fake_driver_plan_update(fake_libcuda):
+    out = in_fresh_interpreter("""
+        box = api.out("frContext")
+        api.lib.frContextCreate(root, 0, box)
+        context = box[0]
+        status, message, plan = api.plan(context, small_problem())
+        out["create"] = [status, message, api.info(plan)]
+        def update(spoil):
+            problem = small_problem()
+            problem.lengths += 1  # one decode step: column 5 takes the 81st token
+            spoil(problem)
+            return [*api.call("frPlanUpdate", plan, problem.tree_c(api), api.ffi.NULL), api.info(plan)]
+        # Rejected first: each must leave the plan as created.
+        out["shared_block"] = update(entry(1, 1, 900))
+        out["branch_count"] = update(lambda p: setattr(p, "num_branches", 2))
+        out["outgrown"] = update(length(0, 6 * 16 + 1))
+        out["shrunk"] = update(length(2, 10))
+        out["bad_entry"] = update(entry(0, 5, 4096))
+        out["own_block"] = update(entry(1, 4, 900))  # outside the root: a leaf may move (copy-on-write)
+        out["leaves_grew"] = update(lambda p: None)
+        p = api.pointer(256)
+        out["misaligned"] = api.call("frPlanRun", plan, api.pointer(8), p, p, p, api.ffi.NULL)
+        out["append_negative"] = api.call("frAppendKV", context, p, p, p, p, p, -1, 8, 128, api.ffi.NULL)
+        out["append_null"] = api.call("frAppendKV", context, p, p, api.ffi.NULL, p, p, 3, 8, 128, api.ffi.NULL)
+    """, libcuda=fake_libcuda)
+    status, message, created = out.pop("create")
+    assert status == FR_OK, message
+    assert created["max_blocks"] == 6 and created["logical_tokens"] == 3 * 80 and created["computed_nodes"] == 1
+    rejected = {
+        "shared_block": (FR_PLAN_MISMATCH, ["branch 1 changed block 1 (1 -> 900)", "create a new plan"]),
+        "branch_count": (FR_PLAN_MISMATCH, ["the plan has 3 branches, the tree 2"]),
+        "outgrown": (FR_PLAN_MISMATCH, ["branch 0 needs 7 blocks, the plan holds 6", "extra_blocks"]),
+        "shrunk": (FR_PLAN_MISMATCH, ["branch 2 shrank to 10 tokens"]),
+        "bad_entry": (FR_INVALID_ARGUMENT, ["block_tables[0][5] is 4096"]),
+    }
+    for key, (status, fragments) in rejected.items():
+        got, message, info = out[key]
+        assert got == status and all(f in message for f in fragments), (key, message)
+        assert info == created, key
+    for key in ("own_block", "leaves_grew"):
+        got, message, info = out[key]
+        assert got == FR_OK and info == dict(created, logical_tokens=3 * 81), (key, message, info)
+    for key, fragment in [("misaligned", "q must be a non-NULL, 16-byte aligned"), ("append_negative", "num_tokens"),
+                          ("append_null", "slots must be a non-NULL")]:
+        assert out[key][0] == FR_INVALID_ARGUMENT and fragment in out[key][1], (key, out[key])
+
+
+def test_fake_driver_allocator_steps_keep_the_plan(fake_libcuda):
+    """The allocator's decode steps are what frPlanUpdate accepts: leaves grow, new blocks."""
+    out = in_fresh_interpreter("""
+        import torch
+        from test_capi import allocator_problem, decode_steps, seed_like_tree
+        box = api.out("frContext")
+        api.lib.frContextCreate(root, 0, box)
+        alloc, ids = seed_like_tree(torch.float16, 128, device="cpu")
+        status, message, plan = api.plan(box[0], allocator_problem(alloc, ids, 32))
+        out["create"] = [status, message]
+        out["steps"] = decode_steps(api, plan, alloc, ids, api.ffi.NULL)
+        out["info"] = api.info(plan)
+    """, libcuda=fake_libcuda)
+    assert out["create"] == [FR_OK, ""]
+    assert out["steps"] == [[FR_OK, ""]] * DECODE_STEPS
+    assert out["info"]["logical_tokens"] == 48 * (1040 + DECODE_STEPS) and out["info"]["computed_nodes"] == 1
+
+
+# ---------------------------------------------------------------- GPU: the cffi path against the Python API
+
+@pytest.fixture(scope="module")
+def gpu_context(api):
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreate", str(capi.artifact_root()).encode(), torch.cuda.current_device(), box)
+    assert rc == FR_OK, msg
+    yield box[0]
+    api.lib.frContextDestroy(box[0])
+
+
+def stream(api):
+    return api.pointer(torch.cuda.current_stream().cuda_stream)
+
+
+def fr_dtype(dtype: torch.dtype) -> int:
+    return {torch.float16: FR_FLOAT16, torch.bfloat16: FR_BFLOAT16}[dtype]
+
+
+def allocator_problem(alloc, ids, num_qo_heads: int) -> Problem:
+    tables, lengths = alloc.block_tables(ids)
+    return Problem(lengths.cpu().numpy(), tables.cpu().numpy(), extra=2, shape=dict(
+        num_qo_heads=num_qo_heads, num_kv_heads=alloc.num_kv_heads, head_dim=alloc.head_dim,
+        dtype=fr_dtype(alloc.dtype), block_size=alloc.block_size, num_blocks=alloc.num_blocks, sm_scale=0.0))
+
+
+DECODE_STEPS = 9  # from 1040 tokens: the first step starts a block
+
+
+def decode_steps(api, plan, alloc, ids, stream_handle) -> list:
+    """DECODE_STEPS allocator decode steps (one new token per branch), each followed by
+    frPlanUpdate; the (status, message) of each update."""
+    from flash_reasoning.synthetic import random_kv
+    gen = torch.Generator().manual_seed(1)
+    updates = []
+    for _ in range(DECODE_STEPS):
+        alloc.append(ids, 0, *random_kv(alloc, gen, len(ids)))
+        problem = allocator_problem(alloc, ids, 32)  # owns the arrays the tree points at
+        updates.append(api.call("frPlanUpdate", plan, problem.tree_c(api), stream_handle))
+    return updates
+
+
+def run_plan(api, plan, alloc, q) -> torch.Tensor:
+    out = poisoned_like(q)
+    p = api.pointer
+    rc, msg = api.call("frPlanRun", plan, p(q.data_ptr()), p(alloc.k_pools[0].data_ptr()),
+                       p(alloc.v_pools[0].data_ptr()), p(out.data_ptr()), stream(api))
+    assert rc == FR_OK, msg
+    return out
+
+
+def assert_matches_python(out, q, alloc, ids):
+    import flash_reasoning
+    tolerance = reference.TOLERANCE[q.dtype]
+    python = flash_reasoning.tree_attention(q, alloc, ids)
+    assert reference.relative_error(out, python) < tolerance
+    assert reference.relative_error(out, reference.tree_attention(q, alloc, ids)) < tolerance
+
+
+def random_tree(dtype, head_dim):
+    from flash_reasoning import PhysicalKVAllocator
+    from flash_reasoning.synthetic import random_branches
+    alloc = PhysicalKVAllocator(64 * 16, 16, 4, head_dim, dtype=dtype, device="cuda")
+    return alloc, random_branches(alloc, 40, 4, 300, seed=3)
+
+
+def seed_like_tree(dtype, head_dim, device="cuda"):
+    """48 leaves of 40 tokens under a 1000-token root (its last block is half full, so each
+    leaf copies it on its first write): decode steps cross a block boundary at 1040."""
+    from flash_reasoning.bench import case_allocator, seed_case
+    return case_allocator(seed_case(48, prefix=1000, leaf=40, num_kv_heads=8, head_dim=head_dim,
+                                    dtype=str(dtype).split(".")[-1]), device=device)
+
+
+@gpu
+@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
+def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
+    torch.manual_seed(0)
+    alloc, ids = make_tree(dtype, head_dim)
+    num_qo_heads = 4 * alloc.num_kv_heads
+    rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, num_qo_heads))
+    assert rc == FR_OK, msg
+    q = torch.randn(len(ids), num_qo_heads, head_dim, device="cuda").to(dtype)
+    assert_matches_python(run_plan(api, plan, alloc, q), q, alloc, ids)
+    api.lib.frPlanDestroy(plan)
+
+
+@gpu
+def test_gpu_plan_update_after_append(api, gpu_context):
+    alloc, ids = seed_like_tree(torch.float16, 128)
+    rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, 32))
+    assert rc == FR_OK, msg
+    assert decode_steps(api, plan, alloc, ids, stream(api)) == [(FR_OK, "")] * DECODE_STEPS
+    assert api.info(plan)["logical_tokens"] == len(ids) * (1040 + DECODE_STEPS)
+    torch.manual_seed(0)
+    q = torch.randn(len(ids), 32, 128, device="cuda").half()
+    assert_matches_python(run_plan(api, plan, alloc, q), q, alloc, ids)
+    api.lib.frPlanDestroy(plan)
+
+
+@gpu
+@pytest.mark.parametrize("seq_lens", [[3000, 40], [100] * 200])
+@pytest.mark.parametrize("with_workspace", [True, False])
+def test_gpu_paged_decode_matches_python_api(api, gpu_context, seq_lens, with_workspace):
+    import flash_reasoning
+    from flash_reasoning.synthetic import paged_problem
+    problem = paged_problem(seq_lens, 32, 8, 128, device="cuda", seed=5)
+    shape = api.ffi.new("frAttentionShape*", dict(SEED_SHAPE, num_blocks=problem.k_pool.shape[0]))
+    num_seqs, max_blocks = problem.block_tables.shape
+    size = api.ffi.new("size_t*")
+    assert api.call("frPagedDecodeWorkspaceSize", gpu_context, shape, num_seqs, max_blocks, size)[0] == FR_OK
+    workspace = torch.empty(max(size[0], 16) if with_workspace else 0, dtype=torch.uint8, device="cuda")
+    out = poisoned_like(problem.q)
+    p = api.pointer
+    rc, msg = api.call("frPagedDecode", gpu_context, shape, p(problem.q.data_ptr()), p(problem.k_pool.data_ptr()),
+                       p(problem.v_pool.data_ptr()), p(problem.block_tables.data_ptr()),
+                       p(problem.seq_lens.data_ptr()), num_seqs, max_blocks, p(out.data_ptr()),
+                       p(workspace.data_ptr()) if with_workspace else api.ffi.NULL, workspace.numel(), stream(api))
+    assert rc == FR_OK, msg
+    python = flash_reasoning.paged_decode(problem.q, problem.k_pool, problem.v_pool, problem.block_tables,
+                                          problem.seq_lens)
+    expected = reference.paged_decode(problem.q, problem.k_pool, problem.v_pool, problem.block_tables,
+                                      problem.seq_lens)
+    assert reference.relative_error(out, python) < reference.TOLERANCE[torch.float16]
+    assert reference.relative_error(out, expected) < reference.TOLERANCE[torch.float16]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_append_kv_matches_write_slots(api, gpu_context, dtype):
+    from flash_reasoning import kv_cache
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    pools = [torch.randn(64, 16, 8, 128, generator=gen, device="cuda").to(dtype) for _ in range(2)]
+    slots = torch.randperm(64 * 16, generator=gen, device="cuda")[:300]
+    k, v = (torch.randn(300, 8, 128, generator=gen, device="cuda").to(dtype) for _ in range(2))
+    expected = [pool.clone() for pool in pools]
+    kv_cache.write_slots(*expected, slots, k, v)
+    p = api.pointer
+    rc, msg = api.call("frAppendKV", gpu_context, p(pools[0].data_ptr()), p(pools[1].data_ptr()),
+                       p(slots.data_ptr()), p(k.data_ptr()), p(v.data_ptr()), 300, 8, 128, stream(api))
+    assert rc == FR_OK, msg
+    assert all(torch.equal(got, want) for got, want in zip(pools, expected))

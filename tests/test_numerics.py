@@ -1,0 +1,189 @@
+"""Numerical edge cases: logits of magnitude 1e4 and more in fp16 and bf16 (no overflow to
+inf/NaN, split-K and tree merges included), head_dim 256, and one sequence of 32k+ tokens
+(GPU). Outputs are poisoned first and checked against the float64 reference within
+reference.TOLERANCE."""
+import math
+
+import pytest
+import torch
+
+from conftest import gpu, interpreter, poisoned_like
+from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, paged_decode, reference,
+                             runtime, tree_attention)
+from flash_reasoning.ops.paged_decode import decode_launches
+from flash_reasoning.synthetic import paged_problem, random_kv
+from flash_reasoning.tree import build_branches, from_levels
+
+DTYPES = [torch.float16, torch.bfloat16]
+#: (center, spread) of the logits: every key's logit is center + spread * N(0, 1) (+ N(0, 1)).
+#: Flat logits are held to fp32's resolution near them (ulp(1e4) ~ 1e-3: about 2e-4 relative
+#: error at 1e4, 5e-4 at 3e4): 1e4 stays well inside fp16's tolerance. The last case goes far
+#: past fp16's range (65504), peaked enough that fp32's resolution does not matter.
+LOGITS = {"both signs": (0.0, 1e4), "near +1e4": (1e4, 100.0), "near -1e4": (-1e4, 100.0),
+          "flat at 1e4": (1e4, 0.0), "both signs to 2e5": (0.0, 6e4)}
+Q_NORM = 200.0
+QO_HEADS, KV_HEADS = 8, 2
+
+
+class LargeLogits:
+    """Queries along one direction ``u`` (norms Q_NORM/2..Q_NORM) and keys whose logits
+    against a query of norm Q_NORM are ``center + spread * N(0, 1)`` plus N(0, 1) from their
+    components across ``u``; values N(0, 1). Every entry stays far inside fp16's range."""
+
+    def __init__(self, head_dim: int, center: float, spread: float, dtype, device) -> None:
+        self.gen = torch.Generator().manual_seed(0)
+        u = torch.randn(head_dim, generator=self.gen)
+        self.u = u / u.norm()
+        self.center, self.spread = center, spread
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.dtype, self.device = dtype, device
+
+    def queries(self, n: int) -> torch.Tensor:
+        norms = Q_NORM * (0.5 + 0.5 * torch.rand(n, QO_HEADS, 1, generator=self.gen))
+        return self._cast(norms * self.u)
+
+    def keys(self, n: int) -> torch.Tensor:
+        logits = self.center + self.spread * torch.randn(n, KV_HEADS, 1, generator=self.gen)
+        noise = torch.randn(n, KV_HEADS, self.u.numel(), generator=self.gen)
+        return self._cast((logits * self.u + noise) / (self.scale * Q_NORM))
+
+    def values(self, n: int) -> torch.Tensor:
+        return self._cast(torch.randn(n, KV_HEADS, self.u.numel(), generator=self.gen))
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype).to(self.device)
+
+
+def paged(logits: LargeLogits):
+    """A paged problem (lengths 1, 37, 300) with large-logit queries and keys."""
+    p = paged_problem([1, 37, 300], QO_HEADS, KV_HEADS, logits.u.numel(), device=logits.device)
+    slots = p.k_pool.shape[0] * p.k_pool.shape[1]
+    p.q = logits.queries(3)
+    p.k_pool = logits.keys(slots).view(p.k_pool.shape)
+    p.v_pool = logits.values(slots).view(p.v_pool.shape)
+    return p
+
+
+def tree(logits: LargeLogits):
+    """A 200-token root under 4 leaves of 30 tokens, written with large-logit keys."""
+    alloc = PhysicalKVAllocator(64, 16, KV_HEADS, logits.u.numel(), dtype=logits.dtype,
+                                device=logits.device)
+    leaves = build_branches(alloc, from_levels([1, 4], [200, 30]),
+                            lambda node, layer, n: (logits.keys(n), logits.values(n)))
+    return alloc, leaves
+
+
+def assert_close(out, ref):
+    assert torch.isfinite(out).all(), "inf or NaN in the output"
+    err = reference.relative_error(out, ref)
+    assert err < reference.TOLERANCE[out.dtype], f"relative error {err}"
+
+
+def check_paged(p, splits: int, interpreted: bool) -> None:
+    """``splits`` > 1: the merge kernel combines the splits' partials."""
+    args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)
+    out = poisoned_like(p.q)
+    device = p.q.device
+    arch, sms = ("sm90", 4) if interpreted else (runtime.arch_of(device.index),
+                                                 runtime.num_sms(device.index))
+    launches = decode_launches(*args, out, 1 / math.sqrt(p.q.shape[-1]), arch, sms,
+                               num_splits=splits)
+    if interpreted:
+        from aot.interpret import run_interpreted
+        run_interpreted(launches)
+    else:
+        runtime.run(launches, device)
+    assert_close(out, reference.paged_decode(*args))
+
+
+def check_tree(logits: LargeLogits, interpreted: bool) -> None:
+    """Chunks of 64 tokens: the root's partials are merged by the final kernel."""
+    alloc, leaves = tree(logits)
+    q = logits.queries(len(leaves))
+    kw = dict(num_sms=4, arch="sm90") if interpreted else {}
+    plan = TreeAttentionPlan(alloc, leaves, QO_HEADS, target_chunk=64, **kw)
+    assert plan.arrays.num_entries > 0
+    out = poisoned_like(q)
+    if interpreted:
+        from aot.interpret import run_interpreted
+        run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+    else:
+        plan.run(q, 0, out)
+    assert_close(out, reference.tree_attention(q, alloc, leaves))
+
+
+# ---- CPU: the interpreted kernels and the PyTorch path ------------------------------------
+
+CPU_CASES = [(name, 64) for name in LOGITS] + [("both signs", 256)]
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case, head_dim", CPU_CASES)
+def test_large_logits_interpreted(dtype, case, head_dim):
+    logits = LargeLogits(head_dim, *LOGITS[case], dtype, "cpu")
+    for splits in (1, 3):
+        check_paged(paged(logits), splits, interpreted=True)
+    check_tree(logits, interpreted=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(LOGITS))
+def test_large_logits_torch_path(dtype, case):
+    logits = LargeLogits(64, *LOGITS[case], dtype, "cpu")
+    p = paged(logits)
+    args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)
+    assert_close(paged_decode(*args, out=poisoned_like(p.q)), reference.paged_decode(*args))
+    alloc, leaves = tree(logits)
+    q = logits.queries(len(leaves))
+    assert_close(tree_attention(q, alloc, leaves, out=poisoned_like(q)),
+                 reference.tree_attention(q, alloc, leaves))
+
+
+def test_the_logits_are_as_large_as_claimed():
+    """Guards the construction above: the logits' spread and center are what LOGITS says."""
+    for center, spread in LOGITS.values():
+        logits = LargeLogits(64, center, spread, torch.float32, "cpu")
+        q = logits.queries(1)[0, 0]
+        scores = logits.keys(2000)[:, 0] @ q * logits.scale * Q_NORM / q.norm()
+        spread = math.hypot(spread, 1.0)  # the N(0, 1) across u
+        assert abs(scores.mean() - center) < 0.1 * spread
+        assert 0.9 * spread < scores.std() < 1.1 * spread
+
+
+# ---- GPU --------------------------------------------------------------------------------------
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", sorted(LOGITS))
+def test_gpu_large_logits(dtype, head_dim, case):
+    logits = LargeLogits(head_dim, *LOGITS[case], dtype, "cuda")
+    for splits in (1, 3):
+        check_paged(paged(logits), splits, interpreted=False)
+    check_tree(logits, interpreted=False)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_gpu_sequence_of_32k_tokens(dtype, head_dim):
+    """One 33001-token branch (not a block multiple) and four short forks of it, through
+    tree_attention and paged_decode."""
+    length = 32 * 1024 + 233
+    alloc = PhysicalKVAllocator(-(-length // 16) + 64, 16, KV_HEADS, head_dim, dtype=dtype,
+                                device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    root = alloc.alloc_branch(0).branch_id
+    alloc.write(root, 0, *random_kv(alloc, gen, length))
+    ids = [root]
+    for position in (0, 4096, length - 1, length):
+        kid = alloc.alloc_branch(position, parent_branch_id=root, fork_position=position)
+        alloc.write(kid.branch_id, 0, *random_kv(alloc, gen, 50), start=position)
+        ids.append(kid.branch_id)
+    q = torch.randn(len(ids), QO_HEADS, head_dim, generator=gen).to(dtype).cuda()
+    ref = reference.tree_attention(q, alloc, ids)
+    assert_close(tree_attention(q, alloc, ids, out=poisoned_like(q)), ref)
+    tables, lengths = alloc.block_tables(ids)
+    assert_close(paged_decode(q, alloc.k_pools[0], alloc.v_pools[0], tables, lengths,
+                              out=poisoned_like(q)), ref)
