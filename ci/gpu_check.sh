@@ -20,6 +20,9 @@ status=0
 log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
 log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider || status=1
+log=sanitize.log step "compute-sanitizer" env OUT="$OUT" bash ci/sanitize.sh || status=1
+log=fuzz.log   step "fuzz (${FUZZ_EXAMPLES:-2000} trees)" env FLASH_REASONING_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
+    python3 -m pytest tests/test_fuzz.py -k gpu_fuzz -q -p no:cacheprovider || status=1
 log=info.log   step "info" python3 -m flash_reasoning.cli info || status=1
 log=bench.log  step "bench" python3 -m flash_reasoning.cli bench --json "$OUT/bench.json" \
     ${BENCH_ARGS:-} || status=1

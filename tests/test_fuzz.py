@@ -11,7 +11,6 @@ trees, and the test prints how many trees were tried."""
 import os
 from dataclasses import dataclass
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
