@@ -1,6 +1,7 @@
 """Sweep the tree planner's knobs and the tree kernels' configs on cases of the cases file:
 the data behind planner.MIN_CHUNK_TOKENS / WAVES / REREAD_WEIGHT and the tree configs in
 dispatch. Needs a FLASH_REASONING_AOT_GRID=wide build for the config sweep. Run on a GPU."""
+import functools
 import dataclasses
 import sys
 
@@ -42,10 +43,14 @@ def explore(case, bw):
                                           target_chunk=c), q, out)[0] for c in CHUNKS}
     weights = {}
     for weight in WEIGHTS:
-        planner.REREAD_WEIGHT, saved = weight, planner.REREAD_WEIGHT
-        weights[weight] = gpu_us(TreeAttentionPlan(alloc, leaves, case["num_qo_heads"]),
-                                 q, out)[0]
-        planner.REREAD_WEIGHT = saved
+        # The weight is an argument of the C++ planner: plans built here pass it.
+        original, planner.plan = planner.plan, functools.partial(planner.plan,
+                                                                 reread_weight=weight)
+        try:
+            weights[weight] = gpu_us(TreeAttentionPlan(alloc, leaves, case["num_qo_heads"]),
+                                     q, out)[0]
+        finally:
+            planner.plan = original
     print("    chunk " + " ".join(f"{c}:{us:.1f}" for c, us in chunks.items())
           + "  | reread weight " + " ".join(f"{w}:{us:.1f}" for w, us in weights.items()))
     if case["head_dim"] != 128:
