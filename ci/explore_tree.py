@@ -1,8 +1,8 @@
 """Sweep the tree planner's knobs and the tree kernels' configs on cases of the cases file:
 the data behind planner.MIN_CHUNK_TOKENS / WAVES / REREAD_WEIGHT and the tree configs in
 dispatch. Needs a FLASH_REASONING_AOT_GRID=wide build for the config sweep. Run on a GPU."""
-import functools
 import dataclasses
+import functools
 import sys
 
 import torch
