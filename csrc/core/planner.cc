@@ -134,6 +134,19 @@ int64_t chunk_length(int64_t length, int64_t target) {
   return std::max(kChunkAlign, ceil_div(per_piece, kChunkAlign) * kChunkAlign);
 }
 
+void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets) {
+  std::vector<const std::vector<int32_t>*> lists = {&plan.order, &plan.final_start, &plan.merge_ptr, &plan.entry_slot};
+  for (const ItemList& items : plan.items) lists.push_back(&items.records);
+  flat->clear();
+  offsets->clear();
+  for (const auto* list : lists) {
+    int64_t at = int64_t(flat->size());
+    offsets->push_back(at);
+    flat->insert(flat->end(), list->begin(), list->end());
+    flat->resize(size_t(at + std::max<int64_t>(4, ceil_div(int64_t(list->size()), 4) * 4)), 0);
+  }
+}
+
 Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out) {
   Status st = check_shape(shape);
   if (!st.ok()) return st;

@@ -81,6 +81,12 @@ struct Plan {
   int64_t chunk_tokens = 0;
 };
 
+// The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,
+// entry_slot, then each ItemList's records, each in a slot of a multiple of 4 words (at least
+// 4), so every list's pointer is valid, distinct and 16-byte aligned. offsets[i] is list i's
+// first element.
+void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets);
+
 // The cost model, small pure functions.
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);

@@ -60,19 +60,6 @@ std::vector<int32_t> dense_tables(const AttentionShape& shape, const TreeInput& 
   return out;
 }
 
-// Concatenates the int32 lists, each in a slot of a multiple of 4 words (at least 4), so
-// every list's pointer is valid, distinct and 16-byte aligned.
-void pack_lists(const std::vector<const std::vector<int32_t>*>& lists, std::vector<int32_t>* flat,
-                std::vector<size_t>* offsets) {
-  flat->clear();
-  offsets->clear();
-  for (const auto* list : lists) {
-    offsets->push_back(flat->size());
-    flat->insert(flat->end(), list->begin(), list->end());
-    flat->resize(offsets->back() + std::max<size_t>(4, align_up(list->size(), 4)), 0);
-  }
-}
-
 int64_t longest_item(const ItemList& items) {
   int64_t longest = 0;
   for (int64_t k = 0; k < items.count(); ++k)
@@ -112,10 +99,10 @@ Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, cons
                                                      std::to_string(p->max_blocks_) + " entries overflow int32 indexing");
   p->tables_ = dense_tables(shape, tree, p->max_blocks_);
   p->lengths_.assign(tree.lengths, tree.lengths + tree.num_branches);
-  std::vector<const std::vector<int32_t>*> lists = {&p->plan_.order, &p->plan_.final_start, &p->plan_.merge_ptr,
-                                                    &p->plan_.entry_slot};
-  for (const ItemList& items : p->plan_.items) lists.push_back(&items.records);
-  pack_lists(lists, &p->work_, &p->work_offset_);
+  pack_work_lists(p->plan_, &p->work_, &p->work_offset_);
+  int64_t block_m = 0;
+  if (!(st = ctx.rules().constant("block_m", &block_m)).ok()) return st;
+  p->final_tiles_ = shape.num_kv_heads * ceil_div(shape.group(), block_m);
   if (!(st = p->pick_kernels()).ok()) return st;
   if (!(st = p->allocate_and_upload()).ok()) return st;
   *out = std::move(p);
@@ -196,8 +183,6 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
     if (!pointers[i] || reinterpret_cast<uintptr_t>(pointers[i]) % 16)
       return Status::Error(Code::kInvalidArgument, std::string(names[i]) + " must be a non-NULL, 16-byte aligned device pointer");
   if (!num_branches()) return Status::Ok();
-  int64_t block_m = 0;
-  if (!(st = ctx_.rules().constant("block_m", &block_m)).ok()) return st;
   auto work = [&](size_t list) { return pointer_arg(reinterpret_cast<void*>(d_work_ + 4 * work_offset_[list])); };
   auto device = [](CUdeviceptr p) { return pointer_arg(reinterpret_cast<void*>(p)); };
   Arg scale = Arg::Float(shape_.scale_log2()), qo = Arg::Int(shape_.num_qo_heads), kv = Arg::Int(shape_.num_kv_heads),
@@ -211,8 +196,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols}},
                      stream);
   if (!st.ok()) return st;
-  int64_t tiles = shape_.num_kv_heads * ceil_div(shape_.group(), block_m);
-  return ctx_.launch(final_kernel_, num_branches(), tiles, 1,
+  return ctx_.launch(final_kernel_, num_branches(), final_tiles_, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
                       {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)},

@@ -58,9 +58,10 @@ class TreeAttentionPlan {
   std::vector<int32_t> tables_;   // [num_branches, max_blocks_], as on the device
   std::vector<int32_t> lengths_;  // [num_branches]
   std::vector<int32_t> work_;     // order, final_start, merge_ptr, entry_slot, items: as on the device
-  std::vector<size_t> work_offset_;  // element offset of each of those lists in work_
+  std::vector<int64_t> work_offset_;  // element offset of each of those lists in work_
   std::vector<int> partial_kernels_;  // per plan_.items entry
   int final_kernel_ = -1;
+  int64_t final_tiles_ = 0;  // tree_final programs per branch: the KV heads' GQA tiles
   CUdeviceptr workspace_ = 0;
   size_t workspace_bytes_ = 0;
   CUdeviceptr d_tables_ = 0, d_lengths_ = 0, d_work_ = 0, d_partial_out_ = 0, d_partial_lse_ = 0;

@@ -169,6 +169,11 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["final_start"] = to_numpy(p.final_start);
   d["merge_ptr"] = to_numpy(p.merge_ptr);
   d["entry_slot"] = to_numpy(p.entry_slot);
+  std::vector<int32_t> work;
+  std::vector<int64_t> work_offsets;
+  fr::pack_work_lists(p, &work, &work_offsets);
+  d["work"] = to_numpy(work);
+  d["work_offsets"] = to_numpy(work_offsets);
   d["num_entries"] = p.num_entries;
   d["computed_nodes"] = p.computed_nodes;
   d["chunk_tokens"] = p.chunk_tokens;
@@ -238,6 +243,9 @@ PYBIND11_MODULE(_launcher, m) {
            }),
            py::arg("arch_dir"), py::arg("device") = 0)
       .def_property_readonly("arch", [](const fr::Launcher& l) { return l.manifest().arch; })
+      .def_property_readonly("package_version",
+                             [](const fr::Launcher& l) { return l.manifest().package_version; },
+                             "The package version that built the manifest ('' when it does not say).")
       .def("kernel_names",
            [](const fr::Launcher& l) {
              std::vector<std::string> names;

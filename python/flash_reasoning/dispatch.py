@@ -60,14 +60,18 @@ def range_configs(head_dim: int, arch: str) -> list[tuple[int, int, int]]:
     return list(dict.fromkeys(decode_config(head_dim, arch, b) for b in bounds))
 
 
-def check_head_dim(head_dim: int) -> None:
+def check_head_dim(head_dim: int, owner: str = "the call") -> None:
+    """ValueError, naming ``owner``, unless the kernels were compiled for ``head_dim``."""
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not compiled; supported: {HEAD_DIMS}")
+        raise ValueError(f"{owner} has head_dim {head_dim}, which is not compiled; compiled: "
+                         f"{HEAD_DIMS}")
 
 
-def check_dtype(dtype: str) -> None:
+def check_dtype(dtype: str, owner: str = "the call") -> None:
+    """TypeError, naming ``owner``, unless the kernels were compiled for ``dtype``."""
     if dtype not in DTYPES:
-        raise TypeError(f"dtype {dtype} is not supported; use one of {tuple(DTYPES)}")
+        raise TypeError(f"{owner} has dtype {dtype}, which is not compiled; compiled: "
+                        f"{tuple(DTYPES)}")
 
 
 @functools.lru_cache(maxsize=None)  # a Spec per call would cost host time per launch

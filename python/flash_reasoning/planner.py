@@ -42,19 +42,6 @@ class Shape:
     dtype_bytes: int
     num_sms: int
 
-    @property
-    def group(self) -> int:
-        return self.num_qo_heads // self.num_kv_heads
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    @property
-    def partial_bytes_per_row(self) -> int:
-        """One branch's fp32 partial (output and LSE of every head), written then read."""
-        return 2 * self.num_qo_heads * (self.head_dim + 1) * 4
-
 
 @dataclass
 class PlanArrays:
@@ -64,7 +51,9 @@ class PlanArrays:
     ``chunk_entry0[c] + j``, stored in partial slot ``entry_slot[entry]``. ``items[block_m]``
     are the int32 records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``). Branch (row)
     ``b``'s final range is ``[final_start[b], its length)``; it merges the partial slots
-    ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous)."""
+    ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). ``work`` holds
+    order, final_start, merge_ptr, entry_slot and each tile's items packed for one upload,
+    list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
     chunk_start: np.ndarray
     chunk_end: np.ndarray
@@ -77,6 +66,8 @@ class PlanArrays:
     merge_ptr: np.ndarray
     entry_slot: np.ndarray
     num_entries: int
+    work: np.ndarray
+    work_offsets: np.ndarray
     stats: dict = field(default_factory=dict)
 
 

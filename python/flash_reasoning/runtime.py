@@ -7,7 +7,6 @@ and never compiles: a device with no matching cubins gets a clear error.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,18 +73,17 @@ def _launcher_for(device_index: int):
     from . import _launcher
     arch_dir = artifact_root() / arch_of(device_index)
     launcher = _launcher.Launcher(str(arch_dir), device_index)  # validates the manifest
-    _check_package_version(arch_dir / "manifest.json")
+    _check_package_version(launcher.package_version, arch_dir / "manifest.json")
     return launcher
 
 
-def _check_package_version(manifest: Path) -> None:
+def _check_package_version(built_for: str, manifest: Path) -> None:
     """Cubins of another package version may take other arguments: refuse them."""
     from . import __version__
-    built_for = json.loads(manifest.read_text()).get("package_version")
     if built_for != __version__:
-        raise RuntimeError(f"{manifest} was built for flash_reasoning {built_for}, this is "
-                           f"flash_reasoning {__version__}: rebuild the artifacts (pip install "
-                           f".) or point FLASH_REASONING_ARTIFACTS at this version's")
+        raise RuntimeError(f"{manifest} was built for flash_reasoning {built_for or None}, this "
+                           f"is flash_reasoning {__version__}: rebuild the artifacts (pip "
+                           f"install .) or point FLASH_REASONING_ARTIFACTS at this version's")
 
 
 def run(launches: Sequence[Launch], device: torch.device) -> None:

@@ -9,9 +9,8 @@ import operator
 
 import torch
 
-from ..dispatch import HEAD_DIMS
+from .. import dispatch
 from ..runtime import POINTER_ALIGN
-from ..specializations import DTYPES
 
 #: The kernels take ``sm_scale * log2(e)`` as a float32: a larger scale would be inf there.
 MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
@@ -55,13 +54,9 @@ def check_scale(sm_scale, head_dim: int) -> float:
 
 def check_compiled(name: str, dtype: torch.dtype, head_dim: int | None = None) -> None:
     """The kernels were compiled for ``dtype`` (and ``head_dim``); ``name`` says whose."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    if dtype_name not in DTYPES:
-        raise TypeError(f"{name} has dtype {dtype_name}, which is not compiled; compiled: "
-                        f"{tuple(DTYPES)}")
-    if head_dim is not None and head_dim not in HEAD_DIMS:
-        raise ValueError(f"{name} has head_dim {head_dim}, which is not compiled; compiled: "
-                         f"{HEAD_DIMS}")
+    dispatch.check_dtype(str(dtype).removeprefix("torch."), name)
+    if head_dim is not None:
+        dispatch.check_head_dim(head_dim, name)
 
 
 def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device,

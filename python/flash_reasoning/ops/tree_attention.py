@@ -167,19 +167,14 @@ class TreeAttentionPlan:
         return config
 
     def _upload_work_lists(self, device: torch.device) -> None:
-        """One host-to-device copy of every int32 list. Each gets a slot of a multiple of 4
-        words, at least 4: every pointer is valid, distinct and 16-byte aligned."""
+        """One host-to-device copy of every int32 list, packed by the planner (each pointer
+        valid, distinct and 16-byte aligned); views of it for the launches."""
         arrays = self.arrays
         parts = [arrays.order, arrays.final_start, arrays.merge_ptr, arrays.entry_slot,
-                 *(records.ravel() for records in arrays.items.values())]
-        slots = [max(4, -(-p.size // 4) * 4) for p in parts]
-        flat = np.zeros(sum(slots), np.int32)
-        offsets = np.cumsum(slots) - slots
-        for part, offset in zip(parts, offsets):
-            flat[offset:offset + part.size] = part
-        self._work = torch.from_numpy(flat).to(device)
+                 *arrays.items.values()]
+        self._work = torch.from_numpy(arrays.work).to(device)
         (self._order, self._final_start, self._merge_ptr, self._entry_slot,
-         *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, offsets)]
+         *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
 
     def _validate(self, q, layer, out) -> None:
         expected = (self.num_branches, self.num_qo_heads, self.head_dim)
