@@ -1,4 +1,6 @@
 """PhysicalKVAllocator on CPU: a stateful model check, exhaustion, the seed quick start, bad input."""
+from dataclasses import fields
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition,
 from conftest import allocator_snapshot, assert_allocator_unchanged
 from flash_reasoning.allocator import (ZERO_BLOCK, PhysicalKVAllocator, PoolExhausted,
                                        UnknownBranch)
+from flash_reasoning.tree import SegmentTree
 
 BS, HEADS, DIM, LAYERS = 4, 1, 2, 2
 
@@ -61,6 +64,22 @@ def check_invariants(alloc, model_lengths):
     assert report.bytes_saved == report.bytes_separate - report.bytes_used
     for pool in alloc._pools:
         assert not pool[ZERO_BLOCK].any()
+
+
+def reference_segment_tree(alloc, branch_ids):
+    """``segment_tree`` as it was before it read the table mirror in place: the rows' tables
+    copied out, the zero-block check in numpy, then the tables' tree or the keys'."""
+    ids, rows = alloc._distinct_rows(branch_ids)
+    lengths = alloc._lengths[rows]
+    columns = -(-int(lengths.max(initial=0)) // BS)
+    tables = alloc._tables[rows, :columns]
+    if not (tables[np.arange(columns) * BS < lengths[:, None]] == ZERO_BLOCK).any():
+        event("segment tree from the tables")
+        return SegmentTree.from_tables(ids, lengths, tables.astype(np.int32), BS)
+    event("segment tree from the keys")
+    breaks = alloc._breakpoints(ids, lengths)
+    return SegmentTree.from_keys(ids, lengths, breaks,
+                                 alloc._position_keys(ids, rows, lengths, breaks))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -201,6 +220,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         check_invariants(self.alloc, self.lengths())
+
+    @invariant()
+    def segment_tree_matches_the_reference(self):
+        ids = sorted(self.tokens, reverse=True)  # rows out of table order
+        tree, reference = self.alloc.segment_tree(ids), reference_segment_tree(self.alloc, ids)
+        for field in fields(SegmentTree):
+            assert np.array_equal(getattr(tree, field.name), getattr(reference, field.name))
 
     @invariant()
     def contents_match_the_model(self):
@@ -361,6 +387,8 @@ K1 = token_rows([1])
     (lambda a, r, c: a.free_branch(5), UnknownBranch, "5"),
     (lambda a, r, c: a.prune(-1), UnknownBranch, "-1"),
     (lambda a, r, c: a.segment_tree([c, c]), ValueError, "distinct"),
+    (lambda a, r, c: a.segment_tree([r, 12]), UnknownBranch, "12"),
+    (lambda a, r, c: a.segment_tree([float(r)]), TypeError, "1-D sequence of ints"),
 ])
 def test_bad_input_changes_nothing(call, error, match):
     alloc, root, child = _family()

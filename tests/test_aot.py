@@ -58,7 +58,7 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
     launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
     for dtype in ("float16", "bfloat16"):
         for hd in dispatch.HEAD_DIMS:
-            for tokens in (1, 16, 17, 32, 33, 4096):
+            for tokens in (1, 16, 17, 32, 33, 64, 65, 4096):
                 config = dispatch.decode_config(hd, arch, tokens)
                 assert launcher.pick(f"tree_final/{dtype}/{hd}", tokens) == \
                     dispatch.tree_final_spec(dtype, hd, arch, config).name

@@ -6,7 +6,8 @@ from flash_reasoning import dispatch
 
 @pytest.mark.parametrize("tokens, expected", [
     (1, (16, 2, 1)), (16, (16, 2, 1)), (17, (32, 2, 2)), (32, (32, 2, 2)),
-    (33, (64, 4, 2)), (4096, (64, 4, 2)), (None, (64, 4, 2))])
+    (33, (32, 4, 2)), (64, (32, 4, 2)), (65, (64, 4, 2)), (4096, (64, 4, 2)),
+    (None, (64, 4, 2))])
 def test_decode_config_follows_the_longest_range(tokens, expected):
     assert dispatch.decode_config(128, "sm90", tokens) == expected
 
@@ -21,7 +22,7 @@ def test_every_config_a_call_can_pick_is_required(arch):
     required = set(dispatch.required_specs(arch))
     for dtype in ("float16", "bfloat16"):
         for head_dim in dispatch.HEAD_DIMS:
-            for tokens in (None, 1, 16, 17, 32, 33, 5000):
+            for tokens in (None, 1, 16, 17, 32, 33, 64, 65, 5000):
                 config = dispatch.decode_config(head_dim, arch, tokens)
                 assert dispatch.decode_spec(dtype, head_dim, False, arch, config) in required
                 assert dispatch.tree_final_spec(dtype, head_dim, arch, config) in required

@@ -29,9 +29,9 @@ def test_plan_logs_each_kernel_config_and_why(caplog):
     plan = seed_plan()
     final = messages(caplog, "tree_final")
     assert final == ["tree_final (sm90): decode_config(head_dim=128, max_tokens=64) -> "
-                     "BLOCK_N 64, 4 warps, 2 stages (range > 32 tokens)"]
+                     "BLOCK_N 32, 4 warps, 2 stages (range <= 64 tokens)"]
     final_spec = plan._templates[-1][0]
-    assert final_spec == dispatch.tree_final_spec("float16", 128, "sm90", (64, 4, 2))
+    assert final_spec == dispatch.tree_final_spec("float16", 128, "sm90", (32, 4, 2))
     partial = messages(caplog, "tree_partial")
     assert len(partial) == len(plan._templates) - 1
     assert "block_m=64" in partial[0] and "wide tile" in partial[0]

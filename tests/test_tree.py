@@ -1,10 +1,14 @@
 """Segment trees from the allocator, FastTree files and level lists."""
 import random
+from dataclasses import fields
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from flash_reasoning import _launcher
 from flash_reasoning.allocator import PhysicalKVAllocator
 from flash_reasoning.bench import load_cases
 from flash_reasoning.tree import SegmentTree, TreeSpec, build_branches, from_levels, load_fasttree
@@ -171,6 +175,109 @@ def test_tree_from_block_tables_equals_the_allocators(seed):
     tables, _ = alloc.block_tables(ids)
     by_tables = SegmentTree.from_tables(ids_arr, lengths, tables.numpy(), BS)
     assert sorted(nodes(by_tables)) == sorted(nodes(by_keys))
+
+
+# ---- the C++ trie against Python references -------------------------------------------
+
+def same_trees(a, b):
+    return all(np.array_equal(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))
+
+
+def trie_order(row_keys, terminal):
+    """Rows stably sorted by their key sequences, each cut after its first terminal key
+    (rows agreeing up to a terminal key are equal): the order the C++ trie gives."""
+    def cut(keys):
+        ends = [c for c, key in enumerate(keys) if terminal(key)]
+        return tuple(keys[:ends[0] + 1] if ends else keys)
+    return sorted(range(len(row_keys)), key=lambda i: cut(row_keys[i]))
+
+
+@st.composite
+def table_mirrors(draw):
+    """(mirror, rows, lengths, block_size): a table mirror with spare rows and columns, read
+    through distinct rows in any order; few block ids, so that rows share."""
+    n, spare = draw(st.integers(0, 10)), draw(st.integers(0, 3))
+    block_size, columns = draw(st.integers(1, 4)), draw(st.integers(1, 5))
+    cells = st.lists(st.integers(0, 3), min_size=columns + 1, max_size=columns + 1)
+    mirror = np.array(draw(st.lists(cells, min_size=n + spare, max_size=n + spare)),
+                      np.int64).reshape(n + spare, columns + 1)
+    rows = np.array(draw(st.permutations(range(n + spare)))[:n], np.int64)
+    lengths = np.array(draw(st.lists(st.integers(0, columns * block_size), min_size=n,
+                                     max_size=n)), np.int64)
+    return mirror, rows, lengths, block_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(table_mirrors())
+def test_tables_read_in_place_give_their_copys_tree(case):
+    mirror, rows, lengths, bs = case
+    ids = np.arange(rows.size) + 100
+    in_place = SegmentTree.from_tables(ids, lengths, mirror, bs, rows)
+    assert same_trees(in_place, SegmentTree.from_tables(ids, lengths, mirror[rows], bs))
+    assert same_trees(in_place, SegmentTree.from_tables(ids, lengths,
+                                                        mirror[rows].astype(np.int32), bs))
+
+
+@settings(max_examples=300, deadline=None)
+@given(table_mirrors())
+def test_table_tree_matches_a_per_token_check(case):
+    """Order: the stable sort of the rows' (block, tokens in it) keys; every two rows share
+    exactly the tokens before their first different block (or the shorter one's end)."""
+    mirror, rows, lengths, bs = case
+    tree = SegmentTree.from_tables(np.arange(rows.size), lengths, mirror, bs, rows)
+    tables = mirror[rows]
+    columns = mirror.shape[1] - 1
+    keys = [[(int(t[c]), min(bs, n - c * bs)) if n > c * bs else (-1, 0)
+             for c in range(columns)] for t, n in zip(tables, lengths.tolist())]
+    assert tree.order.tolist() == trie_order(keys, lambda key: key[1] < bs)
+    for a in range(rows.size):
+        for b in range(rows.size):
+            shared = 0
+            while (shared < min(lengths[a], lengths[b])
+                   and tables[a, shared // bs] == tables[b, shared // bs]):
+                shared += 1
+            common = set(tree.path(a).tolist()) & set(tree.path(b).tolist())
+            assert max((int(tree.node_end[v]) for v in common), default=0) == shared
+
+
+@settings(max_examples=300, deadline=None)
+@given(table_mirrors(), st.integers(0, 3))
+def test_unwritten_block_is_found_in_any_row(case, block):
+    """None exactly when some row holds `block` among the blocks holding its tokens."""
+    mirror, rows, lengths, bs = case
+    written = np.arange(mirror.shape[1]) * bs < lengths[:, None]
+    holds = bool((mirror[rows][written] == block).any())
+    tree = SegmentTree.from_tables(np.arange(rows.size), lengths, mirror, bs, rows,
+                                   unwritten_block=block)
+    assert (tree is None) == holds
+    if tree is not None:
+        assert same_trees(tree, SegmentTree.from_tables(np.arange(rows.size), lengths,
+                                                        mirror, bs, rows))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_keyed_tree_order_is_the_stable_sort_of_the_keys(data):
+    n = data.draw(st.integers(0, 10))
+    lengths = np.array(data.draw(st.lists(st.integers(0, 12), min_size=n, max_size=n)),
+                       np.int64)
+    extra = data.draw(st.lists(st.integers(0, 12), max_size=4))
+    breaks = np.unique(np.concatenate([[0], lengths, extra])).astype(np.int64)
+    keys = np.array([[data.draw(st.integers(0, 2)) if start < length else -1
+                      for start in breaks.tolist()] for length in lengths.tolist()],
+                    np.int64).reshape(n, breaks.size)
+    arrays = _launcher.segment_tree(lengths, breaks, keys)
+    assert arrays["order"].tolist() == trie_order(keys.tolist(), lambda key: key == -1)
+
+
+def test_table_rows_are_checked():
+    lengths, mirror = np.array([4, 4]), np.zeros((3, 2), np.int64)
+    with pytest.raises(ValueError, match="rows must index"):
+        SegmentTree.from_tables([0, 1], lengths, mirror, 2, np.array([0, 3]))
+    with pytest.raises(ValueError, match="rows must be"):
+        SegmentTree.from_tables([0, 1], lengths, mirror, 2, np.array([0]))
+    with pytest.raises(ValueError, match="capacity"):
+        SegmentTree.from_tables([0, 1], lengths, mirror, 1, np.array([0, 1]))
 
 
 # ---- tree specs -------------------------------------------------------------------------

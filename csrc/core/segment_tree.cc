@@ -1,6 +1,7 @@
 #include "segment_tree.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 namespace flash_reasoning {
@@ -110,11 +111,13 @@ Status check_lengths(int64_t num_rows, const int64_t* lengths) {
 
 // Sorts the rows into trie order (lexicographic by their column keys, stable) and gives each
 // sorted row the tokens it shares with the previous one, by MSD radix: a group of rows that
-// agree so far advances one column while all agree, and splits where they differ. The cost is
-// the cells read before the groups part (no log factor on long shared prefixes).
+// agree so far skips the columns where all agree (row by row, reading each row's cells in
+// memory order) and splits at the first where they differ. The cost is the cells read before
+// the groups part (no log factor on long shared prefixes).
 // `Keys` provides: columns(); key(row, col) (comparable int64); terminal(key) (rows holding
 // this key hold nothing after it: equal rows); shared(col, key_a, key_b) (tokens shared by
-// rows first differing at col with these keys, key_a < key_b).
+// rows first differing at col with these keys, key_a < key_b); run_end(a, b, col, limit) (the
+// first column in [col, limit) where row a's key is terminal or row b's differs, else limit).
 template <typename Keys>
 void trie_order(const Keys& keys, const int64_t* lengths, int64_t num_rows, std::vector<int64_t>* order,
                 std::vector<int64_t>* lcp) {
@@ -126,27 +129,28 @@ void trie_order(const Keys& keys, const int64_t* lengths, int64_t num_rows, std:
   };
   struct Group { int64_t begin, end, col; };
   std::vector<Group> stack = {{0, num_rows, 0}};
+  std::vector<std::pair<int64_t, int64_t>> split;  // (key, row) of the group being split
   while (!stack.empty()) {
     Group g = stack.back();
     stack.pop_back();
     if (g.end - g.begin < 2) continue;
     int64_t* rows = order->data() + g.begin;
-    int64_t size = g.end - g.begin, col = g.col;
-    for (;; ++col) {
-      if (col == keys.columns()) { equal_rows(g.begin, g.end); break; }
-      int64_t first = keys.key(rows[0], col);
-      bool same = std::all_of(rows + 1, rows + size, [&](int64_t r) { return keys.key(r, col) == first; });
-      if (same && keys.terminal(first)) { equal_rows(g.begin, g.end); break; }
-      if (same) continue;
-      std::stable_sort(rows, rows + size, [&](int64_t a, int64_t b) { return keys.key(a, col) < keys.key(b, col); });
-      for (int64_t run = 0, i = 1; i <= size; ++i) {
-        if (i < size && keys.key(rows[i], col) == keys.key(rows[run], col)) continue;
-        if (i < size) (*lcp)[g.begin + i] = keys.shared(col, keys.key(rows[i - 1], col), keys.key(rows[i], col));
-        if (keys.terminal(keys.key(rows[run], col))) equal_rows(g.begin + run, g.begin + i);
-        else stack.push_back({g.begin + run, g.begin + i, col + 1});
-        run = i;
-      }
-      break;
+    int64_t size = g.end - g.begin, col = keys.columns();
+    for (int64_t i = 1; i < size; ++i) col = keys.run_end(rows[0], rows[i], g.col, col);
+    if (col == keys.columns()) { equal_rows(g.begin, g.end); continue; }
+    // At col the rows differ, or all hold the same terminal key (one run, equal rows). A
+    // group's rows are in increasing id order, so sorting by (key, row) is the stable sort.
+    split.resize(size);
+    for (int64_t i = 0; i < size; ++i) split[i] = {keys.key(rows[i], col), rows[i]};
+    // Often sorted already: blocks are handed out in fork order.
+    if (!std::is_sorted(split.begin(), split.end())) std::sort(split.begin(), split.end());
+    for (int64_t i = 0; i < size; ++i) rows[i] = split[i].second;
+    for (int64_t run = 0, i = 1; i <= size; ++i) {
+      if (i < size && split[i].first == split[run].first) continue;
+      if (i < size) (*lcp)[g.begin + i] = keys.shared(col, split[i - 1].first, split[i].first);
+      if (keys.terminal(split[run].first)) equal_rows(g.begin + run, g.begin + i);
+      else stack.push_back({g.begin + run, g.begin + i, col + 1});
+      run = i;
     }
   }
 }
@@ -160,25 +164,79 @@ struct BreakKeys {
   int64_t key(int64_t row, int64_t col) const { return keys[row * num_breaks + col]; }
   static bool terminal(int64_t key) { return key == -1; }
   int64_t shared(int64_t col, int64_t, int64_t) const { return breaks[col]; }
+  int64_t run_end(int64_t a, int64_t b, int64_t col, int64_t limit) const {
+    const int64_t *x = keys + a * num_breaks, *y = keys + b * num_breaks;
+    while (col < limit && x[col] == y[col] && !terminal(x[col])) ++col;
+    return col;
+  }
 };
 
+// The first index in [begin, end) where x and y differ, else end. Runs of equal blocks are
+// long (a shared prompt): memcmp, vectorised by libc, skips them a chunk at a time.
+template <typename Entry>
+int64_t first_difference(const Entry* x, const Entry* y, int64_t begin, int64_t end) {
+  constexpr int64_t kChunk = 64;
+  for (; begin < end; begin += kChunk) {
+    int64_t stop = std::min(begin + kChunk, end);
+    if (std::memcmp(x + begin, y + begin, (stop - begin) * sizeof(Entry)) != 0)
+      return std::mismatch(x + begin, x + stop, y + begin).first - x;
+  }
+  return end;
+}
+
 // Keys of block-table columns: (block, tokens of the row in it), -1 once the row has ended.
-// Rows with the same block share its tokens up to the shorter row's end.
+// Rows with the same block share its tokens up to the shorter row's end. `Entry`: the
+// tables' integer type; blocks[row] points at the row's table, full[row] counts its full
+// blocks.
+template <typename Entry>
 struct TableKeys {
-  const int32_t* tables;
+  std::vector<const Entry*> blocks;
+  std::vector<int64_t> full;
   const int64_t* lengths;
-  int64_t stride, block_size, max_columns;
+  int64_t block_size, max_columns;
   int64_t columns() const { return max_columns; }
   int64_t key(int64_t row, int64_t col) const {
     int64_t tokens = std::min(block_size, lengths[row] - col * block_size);
-    return tokens <= 0 ? -1 : int64_t(tables[row * stride + col]) * (block_size + 1) + tokens;
+    return tokens <= 0 ? -1 : int64_t(blocks[row][col]) * (block_size + 1) + tokens;
   }
   bool terminal(int64_t key) const { return key == -1 || key % (block_size + 1) < block_size; }
   int64_t shared(int64_t col, int64_t a, int64_t b) const {
     bool same_block = a >= 0 && a / (block_size + 1) == b / (block_size + 1);
     return col * block_size + (same_block ? a % (block_size + 1) : 0);
   }
+  // Only full blocks are not terminal, so the run is the columns both rows fill, up to the
+  // first different block. A group reaches col only through full blocks: col <= full.
+  int64_t run_end(int64_t a, int64_t b, int64_t col, int64_t limit) const {
+    return first_difference(blocks[a], blocks[b], col, std::min({limit, full[a], full[b]}));
+  }
 };
+
+// Row i's table in int64 tables read through `rows` (nullptr: row i itself).
+const int64_t* mirror_row(const int64_t* tables, const int64_t* rows, int64_t stride, int64_t i) {
+  return tables + (rows ? rows[i] : i) * stride;
+}
+
+// The tree of block-table rows; row_table(i) points at row i's table.
+template <typename Entry, typename RowTable>
+Status tree_from_tables(int64_t num_rows, const int64_t* lengths, RowTable row_table, int64_t block_size,
+                        SegmentTree* out) {
+  Status st = check_lengths(num_rows, lengths);
+  if (!st.ok()) return st;
+  if (block_size < 1) return Status::Error(Code::kInvalidArgument, "block_size must be >= 1");
+  TableKeys<Entry> keys{std::vector<const Entry*>(num_rows), std::vector<int64_t>(num_rows), lengths, block_size, 0};
+  for (int64_t i = 0; i < num_rows; ++i) {
+    keys.blocks[i] = row_table(i);
+    keys.full[i] = lengths[i] / block_size;
+    keys.max_columns = std::max(keys.max_columns, (lengths[i] + block_size - 1) / block_size);
+  }
+  SegmentTree tree;
+  tree.lengths.assign(lengths, lengths + num_rows);
+  std::vector<int64_t> order, lcp;
+  trie_order(keys, lengths, num_rows, &order, &lcp);
+  build_from_sorted(std::move(order), lcp, &tree);
+  *out = std::move(tree);
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -197,18 +255,23 @@ Status build_segment_tree(int64_t num_rows, const int64_t* lengths, int64_t num_
 
 Status segment_tree_from_tables(int64_t num_rows, const int64_t* lengths, const int32_t* tables, int64_t stride,
                                 int64_t block_size, SegmentTree* out) {
-  Status st = check_lengths(num_rows, lengths);
-  if (!st.ok()) return st;
-  if (block_size < 1) return Status::Error(Code::kInvalidArgument, "block_size must be >= 1");
-  SegmentTree tree;
-  tree.lengths.assign(lengths, lengths + num_rows);
-  int64_t columns = 0;
-  for (int64_t i = 0; i < num_rows; ++i) columns = std::max(columns, (lengths[i] + block_size - 1) / block_size);
-  std::vector<int64_t> order, lcp;
-  trie_order(TableKeys{tables, lengths, stride, block_size, columns}, lengths, num_rows, &order, &lcp);
-  build_from_sorted(std::move(order), lcp, &tree);
-  *out = std::move(tree);
-  return Status::Ok();
+  return tree_from_tables<int32_t>(num_rows, lengths, [&](int64_t i) { return tables + i * stride; }, block_size, out);
+}
+
+Status segment_tree_from_tables(int64_t num_rows, const int64_t* lengths, const int64_t* tables, const int64_t* rows,
+                                int64_t stride, int64_t block_size, SegmentTree* out) {
+  return tree_from_tables<int64_t>(
+      num_rows, lengths, [&](int64_t i) { return mirror_row(tables, rows, stride, i); }, block_size, out);
+}
+
+bool tree_reads_block(const SegmentTree& tree, const int64_t* tables, const int64_t* rows, int64_t stride,
+                      int64_t block_size, int64_t block) {
+  for (int64_t v = 0; v < tree.num_nodes(); ++v) {
+    const int64_t* first = mirror_row(tables, rows, stride, tree.order[tree.node_lo[v]]);
+    const int64_t* last = first + (tree.node_end[v] - 1) / block_size + 1;
+    if (std::find(first + tree.node_start[v] / block_size, last, block) != last) return true;
+  }
+  return false;
 }
 
 }  // namespace flash_reasoning

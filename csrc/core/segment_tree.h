@@ -35,4 +35,16 @@ Status build_segment_tree(int64_t num_rows, const int64_t* lengths, int64_t num_
 Status segment_tree_from_tables(int64_t num_rows, const int64_t* lengths, const int32_t* tables, int64_t stride,
                                 int64_t block_size, SegmentTree* out);
 
+// The same with int64 entries, row i's table at tables + rows[i] * stride (rows: nullptr for
+// row i at tables + i * stride): the Python allocator's table mirror, read in place.
+Status segment_tree_from_tables(int64_t num_rows, const int64_t* lengths, const int64_t* tables, const int64_t* rows,
+                                int64_t stride, int64_t block_size, SegmentTree* out);
+
+// Whether the rows of `tree`, read from these tables (as above), hold tokens in `block`. The
+// rows below a node share its blocks, so one row per node is read, not every row's table.
+// The allocator asks it of its zero block: the tables alone tell sharing only when every
+// token is written.
+bool tree_reads_block(const SegmentTree& tree, const int64_t* tables, const int64_t* rows, int64_t stride,
+                      int64_t block_size, int64_t block);
+
 }  // namespace flash_reasoning

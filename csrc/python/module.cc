@@ -82,7 +82,6 @@ std::vector<std::pair<std::string, std::string>> params(const fr::Launcher& l, c
 }
 
 using Int64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
-using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
 template <typename T>
 py::array_t<T> to_numpy(const std::vector<T>& v) {
@@ -120,13 +119,34 @@ py::dict segment_tree(const Int64Array& lengths, const Int64Array& breaks, const
   return tree_to_dict(t);
 }
 
-py::dict segment_tree_from_tables(const Int64Array& lengths, const Int32Array& tables, int64_t block_size) {
-  require(lengths.ndim() == 1 && tables.ndim() == 2 && tables.shape(0) == lengths.size(),
+// Checks the tables of `lengths.size()` rows, row i at tables[rows[i]] (no rows: tables[i]),
+// for the core, which trusts them; returns the core's rows pointer.
+const int64_t* checked_table_rows(const Int64Array& lengths, const Int64Array& tables,
+                                  const std::optional<Int64Array>& rows, int64_t block_size) {
+  require(lengths.ndim() == 1 && tables.ndim() == 2 && (rows || tables.shape(0) == lengths.size()),
           "tables must be [len(lengths), columns]");
-  for (int64_t i = 0; i < lengths.size(); ++i)
-    require(lengths.data()[i] <= tables.shape(1) * block_size, "a length exceeds its table's capacity");
+  const int64_t* row_index = rows ? rows->data() : nullptr;
+  if (rows) {
+    require(rows->ndim() == 1 && rows->size() == lengths.size(), "rows must be [len(lengths)]");
+    require(std::all_of(row_index, row_index + rows->size(), [&](int64_t r) { return r >= 0 && r < tables.shape(0); }),
+            "rows must index tables' rows");
+  }
+  int64_t capacity = tables.shape(1) * block_size;
+  require(std::all_of(lengths.data(), lengths.data() + lengths.size(), [&](int64_t n) { return n <= capacity; }),
+          "a length exceeds its table's capacity");
+  return row_index;
+}
+
+std::optional<py::dict> segment_tree_from_tables(const Int64Array& lengths, const Int64Array& tables,
+                                                 int64_t block_size, const std::optional<Int64Array>& rows,
+                                                 std::optional<int64_t> unwritten_block) {
+  const int64_t* row_index = checked_table_rows(lengths, tables, rows, block_size);
   fr::SegmentTree t;
-  check(fr::segment_tree_from_tables(lengths.size(), lengths.data(), tables.data(), tables.shape(1), block_size, &t));
+  check(fr::segment_tree_from_tables(lengths.size(), lengths.data(), tables.data(), row_index, tables.shape(1),
+                                     block_size, &t));
+  bool unwritten = unwritten_block &&
+                   fr::tree_reads_block(t, tables.data(), row_index, tables.shape(1), block_size, *unwritten_block);
+  if (unwritten) return std::nullopt;
   return tree_to_dict(t);
 }
 
@@ -225,7 +245,9 @@ PYBIND11_MODULE(_launcher, m) {
         "The segment tree (a dict of arrays) of rows whose token t is keys[row, c] for "
         "breaks[c] <= t < breaks[c + 1].");
   m.def("segment_tree_from_tables", &segment_tree_from_tables, py::arg("lengths"), py::arg("tables"),
-        py::arg("block_size"), "The segment tree the C ABI reads from block tables.");
+        py::arg("block_size"), py::arg("rows") = py::none(), py::arg("unwritten_block") = py::none(),
+        "The segment tree the C ABI reads from block tables (row i's table: tables[rows[i]], default "
+        "tables[i]); None when some token lies in unwritten_block.");
   m.def("plan", &plan, py::arg("tree"), py::arg("num_qo_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::arg("dtype_bytes"), py::arg("num_sms"), py::arg("block_ms"), py::arg("target_chunk") = 0,
         py::arg("reread_weight") = fr::kRereadWeight, "The tree-attention plan of a SegmentTree (a dict of arrays).");

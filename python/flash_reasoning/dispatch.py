@@ -25,8 +25,9 @@ MAX_SPLITS = 64
 
 #: Decode-tile configs (BLOCK_N, num_warps, num_stages) for ranges of at most this many
 #: tokens: a short range is mostly fixed cost, so small tiles that let many programs share an
-#: SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; docs/perf.md).
-SHORT_RANGE_CONFIGS = ((16, (16, 2, 1)), (32, (32, 2, 2)))
+#: SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; H200: 64
+#: leaves of 64 tokens 35.8 us at 32/4/2, 42.3 at 64/4/2; docs/perf.md).
+SHORT_RANGE_CONFIGS = ((16, (16, 2, 1)), (32, (32, 2, 2)), (64, (32, 4, 2)))
 #: Many programs over longer ranges: two stages (more programs per SM) beat three.
 LONG_RANGE_CONFIG = (64, 4, 2)
 #: Few programs (a split decode): nothing else hides a lone program's latency, so a deeper

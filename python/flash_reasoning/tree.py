@@ -87,12 +87,17 @@ class SegmentTree:
 
     @classmethod
     def from_tables(cls, branch_ids: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
-                    block_size: int) -> "SegmentTree":
-        """The tree of rows holding ``lengths[i]`` tokens in blocks ``tables[i]``: rows listing
-        the same block at the same column share its tokens, up to the shorter row's end."""
-        arrays = _launcher.segment_tree_from_tables(np.asarray(lengths, np.int64),
-                                                    np.asarray(tables, np.int32), block_size)
-        return cls(branch_ids=np.asarray(branch_ids, np.int64), **arrays)
+                    block_size: int, rows: np.ndarray | None = None,
+                    unwritten_block: int | None = None) -> "SegmentTree | None":
+        """The tree of rows holding ``lengths[i]`` tokens in blocks ``tables[rows[i]]``
+        (default ``tables[i]``): rows listing the same block at the same column share its
+        tokens, up to the shorter row's end. Read in place when ``tables`` is C-contiguous
+        int64 (the allocator's table mirror). ``None`` when some row's tokens lie in
+        ``unwritten_block`` (the allocator's zero block: reading it says nothing of sharing)."""
+        arrays = _launcher.segment_tree_from_tables(lengths, tables, block_size, rows,
+                                                    unwritten_block)
+        return None if arrays is None else cls(branch_ids=np.asarray(branch_ids, np.int64),
+                                               **arrays)
 
 
 @dataclass(frozen=True)
