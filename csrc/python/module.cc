@@ -94,18 +94,18 @@ void require(bool ok, const std::string& message) {
   if (!ok) throw py::value_error(message);
 }
 
+// The SegmentTree's arrays by the names of Python's dataclass fields: both directions use it.
+using TreeArray = std::vector<int64_t> fr::SegmentTree::*;
+constexpr std::pair<const char*, TreeArray> kTreeArrays[] = {
+    {"lengths", &fr::SegmentTree::lengths},       {"node_start", &fr::SegmentTree::node_start},
+    {"node_end", &fr::SegmentTree::node_end},     {"node_parent", &fr::SegmentTree::node_parent},
+    {"node_lo", &fr::SegmentTree::node_lo},       {"node_hi", &fr::SegmentTree::node_hi},
+    {"order", &fr::SegmentTree::order},           {"end_node", &fr::SegmentTree::end_node},
+    {"path_ptr", &fr::SegmentTree::path_ptr},     {"path_nodes", &fr::SegmentTree::path_nodes}};
+
 py::dict tree_to_dict(const fr::SegmentTree& t) {
   py::dict d;
-  d["lengths"] = to_numpy(t.lengths);
-  d["node_start"] = to_numpy(t.node_start);
-  d["node_end"] = to_numpy(t.node_end);
-  d["node_parent"] = to_numpy(t.node_parent);
-  d["node_lo"] = to_numpy(t.node_lo);
-  d["node_hi"] = to_numpy(t.node_hi);
-  d["order"] = to_numpy(t.order);
-  d["end_node"] = to_numpy(t.end_node);
-  d["path_ptr"] = to_numpy(t.path_ptr);
-  d["path_nodes"] = to_numpy(t.path_nodes);
+  for (const auto& [name, array] : kTreeArrays) d[name] = to_numpy(t.*array);
   return d;
 }
 
@@ -150,21 +150,13 @@ std::optional<py::dict> segment_tree_from_tables(const Int64Array& lengths, cons
   return tree_to_dict(t);
 }
 
-// The arrays of a SegmentTree the planner reads, from Python's dataclass.
+// A SegmentTree from Python's dataclass.
 fr::SegmentTree tree_from_python(const py::object& tree) {
   fr::SegmentTree t;
-  auto read = [&](const char* name, std::vector<int64_t>* out) {
+  for (const auto& [name, array] : kTreeArrays) {
     Int64Array a = tree.attr(name).cast<Int64Array>();
-    out->assign(a.data(), a.data() + a.size());
-  };
-  read("lengths", &t.lengths);
-  read("node_start", &t.node_start);
-  read("node_end", &t.node_end);
-  read("node_parent", &t.node_parent);
-  read("node_lo", &t.node_lo);
-  read("node_hi", &t.node_hi);
-  read("order", &t.order);
-  read("end_node", &t.end_node);
+    (t.*array).assign(a.data(), a.data() + a.size());
+  }
   return t;
 }
 
