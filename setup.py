@@ -74,8 +74,8 @@ launcher = Pybind11Extension(
 setup(
     package_dir={"": "python"},
     packages=["flash_reasoning", "flash_reasoning.ops"],
-    package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "lib/*.so",
-                                      "include/flash_reasoning/*.h"]},
+    package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "tuning/*.json",
+                                      "lib/*.so", "include/flash_reasoning/*.h"]},
     ext_modules=[launcher],
     cmdclass={"build_ext": BuildWithKernels},
     zip_safe=False,

@@ -8,17 +8,20 @@ from __future__ import annotations
 import os
 
 from flash_reasoning import dispatch
-from flash_reasoning.specializations import (DTYPES, PAGED_DECODE, TREE_FINAL, TREE_PARTIAL, Spec,
-                                            make_spec)
+from flash_reasoning.specializations import DTYPES, Spec
 
 ARCHS = ("sm80", "sm89", "sm90")
 
-#: (BLOCK_N, num_warps, num_stages) candidates measured by a tuning run.
-DECODE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3), (64, 8, 2))
-#: Tree kernel candidates (BLOCK_N, num_warps, num_stages), fp16 head_dim 128 for now: the
-#: wide partial tile and the final kernel.
-TREE_PARTIAL_CANDIDATES = ((32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2))
-TREE_FINAL_CANDIDATES = ((64, 4, 1), (64, 4, 2), (32, 4, 2), (64, 8, 2))
+#: (BLOCK_N, num_warps, num_stages) candidates a tuning run measures (``flash_reasoning.tune``)
+#: for the decode-tile kernels (paged_decode, split or not, tree_final, the narrow
+#: tree_partial) and for the wide tree_partial tile.
+DECODE_TILE_CANDIDATES = ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 4, 2), (64, 4, 3),
+                          (128, 4, 2), (64, 8, 2))
+WIDE_TILE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))
+#: head_dim 256 keeps its one config: its larger tiles overflow shared memory in several.
+CANDIDATE_HEAD_DIMS = (64, 128)
+#: Shared memory per block (KB) each arch allows, for the candidates' estimate.
+SHARED_KB = {"sm80": 163, "sm89": 99, "sm90": 227}
 
 
 def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
@@ -28,22 +31,27 @@ def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
         wide = os.environ.get("FLASH_REASONING_AOT_GRID", "") == "wide"
     specs = dict.fromkeys(dispatch.required_specs(arch))
     if wide:
-        specs.update(dict.fromkeys(_decode_candidates() + _tree_candidates()))
+        specs.update(dict.fromkeys(candidate_specs(arch)))
     return list(specs)
 
 
-def _tree_candidates() -> list[Spec]:
-    partial = [make_spec(TREE_PARTIAL, "float16", w, s, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=n)
-               for n, w, s in TREE_PARTIAL_CANDIDATES]
-    final = [make_spec(TREE_FINAL, "float16", w, s, HEAD_DIM=128, BLOCK_M=dispatch.BLOCK_M,
-                       BLOCK_N=n) for n, w, s in TREE_FINAL_CANDIDATES]
-    return partial + final
+def candidate_specs(arch: str) -> list[Spec]:
+    """Every candidate of every rule list that fits the arch's shared memory."""
+    specs = []
+    for dtype in DTYPES:
+        for head_dim in CANDIDATE_HEAD_DIMS:
+            for kernel, block_m in dispatch.RULE_LISTS:
+                wide_tile = block_m is not None and block_m != dispatch.BLOCK_M
+                for config in WIDE_TILE_CANDIDATES if wide_tile else DECODE_TILE_CANDIDATES:
+                    if fits_shared_memory(arch, head_dim, block_m or dispatch.BLOCK_M, config):
+                        specs.append(dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
+                                                          block_m))
+    return specs
 
 
-def _decode_candidates() -> list[Spec]:
-    # head_dim 256 keeps its one config: its larger tiles overflow shared memory in several
-    # (128/8/3 needs 274 KB on sm90, which allows 227 KB).
-    return [make_spec(PAGED_DECODE, dtype, warps, stages, HEAD_DIM=head_dim,
-                      BLOCK_M=dispatch.BLOCK_M, BLOCK_N=block_n, SPLIT=split)
-            for dtype in DTYPES for head_dim in (64, 128) for split in (0, 1)
-            for block_n, warps, stages in DECODE_CANDIDATES]
+def fits_shared_memory(arch: str, head_dim: int, block_m: int,
+                       config: tuple[int, int, int]) -> bool:
+    """Whether the K and V tiles of every stage, and the query tile, fit (16-bit elements)."""
+    block_n, _, stages = config
+    need = (2 * stages * block_n + block_m) * head_dim * 2
+    return need <= SHARED_KB[arch] * 1024

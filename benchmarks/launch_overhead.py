@@ -1,5 +1,8 @@
 """Host cost of a launch: ``plan.run`` per layer, ``tree_attention`` and ``paged_decode``,
-against the GPU time of the work they queue; then where ``plan.run``'s host time goes.
+against the GPU time of the work they queue; then where ``plan.run``'s host time goes: its
+checks, ``refresh``, and one call of its prepared launches (converted and checked once, per
+call only the q/k_pool/v_pool/out pointers), against the per-launch path it replaced
+(``plan.launches`` + ``runtime.run``), whose output it must equal.
 
 Tree: the seed's headline case (2048-token root, 256 leaves of 64 tokens, 32/8 heads,
 head_dim 128, fp16), whose plan is one partial launch and one final launch.
@@ -7,7 +10,9 @@ head_dim 128, fp16), whose plan is one partial launch and one final launch.
 - host us: wall time of a loop of calls (``time.perf_counter_ns``), no sync inside the loop.
   The calls run in batches of ``BATCH`` (at most ``2 * BATCH`` launches queued, far below
   the driver's queue depth) with a sync *between* batches, outside the timed loops: a launch
-  then never waits for a free queue slot, so the GPU is never what is measured.
+  then never waits for a free queue slot, so the GPU is never what is measured. The figure
+  is the median batch's time per call. A small tree (4 leaves) gives the same plan shape
+  with little GPU work, so its queue stays near empty.
 - loop us: the same calls in one loop of ``CALLS`` with a sync only at the end: the steady
   rate when host and GPU overlap (about max(host, GPU) once the queue is full).
 - GPU us: CUDA events around one call, L2 flushed, median (``timing.median_us``).
@@ -22,6 +27,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import time
 from pathlib import Path
 
@@ -37,20 +43,22 @@ from flash_reasoning.synthetic import paged_problem
 
 TARGET_US = 15.0
 CALLS = 2000
-BATCH = 100
+BATCH = 20
 
 
 def host_us(fn, calls: int = CALLS, batch: int = BATCH) -> float:
-    """Host wall time per call of ``fn``: timed loops of ``batch`` calls, synced between."""
-    total_ns = 0
+    """Host wall time per call of ``fn``: the median over timed loops of ``batch`` calls,
+    synced between (outside the timing), so an interrupt or a collection in one loop does
+    not move the figure."""
+    per_call = []
     for _ in range(max(1, calls // batch)):
         torch.cuda.synchronize()
         start = time.perf_counter_ns()
         for _ in range(batch):
             fn()
-        total_ns += time.perf_counter_ns() - start
+        per_call.append((time.perf_counter_ns() - start) / batch / 1e3)
     torch.cuda.synchronize()
-    return total_ns / (max(1, calls // batch) * batch) / 1e3
+    return statistics.median(per_call)
 
 
 def loop_us(fn, calls: int = CALLS) -> float:
@@ -79,6 +87,10 @@ class Setup:
         self.separate = Separate.from_tree(self.alloc, self.leaves)
         self.split = paged_problem([8192] * 4, 32, 8, 128, device="cuda")
         self.split_out = torch.empty_like(self.split.q)
+        small_alloc, small_leaves = case_allocator(seed_case(4, 256, 16))
+        self.small_plan = TreeAttentionPlan(small_alloc, small_leaves, 32)
+        self.small_q = self.q[:4].clone()
+        self.small_out = torch.empty_like(self.small_q)
 
     def paged_args(self, split: bool) -> tuple:
         if split:
@@ -99,6 +111,9 @@ class Setup:
         q, out, alloc = self.q, self.out, self.alloc
         return {
             "plan.run": (lambda: self.plan.run(q, 0, out), len(self.launches)),
+            "plan.run (small tree)": (
+                lambda: self.small_plan.run(self.small_q, 0, self.small_out),
+                len(self.small_plan.launches(self.small_q, *self.pools, self.small_out))),
             "tree_attention (ids list)": (lambda: tree_attention(q, alloc, self.leaves, 0, out),
                                           len(self.launches)),
             "tree_attention (ids ndarray)": (lambda: tree_attention(q, alloc, self.ids, 0, out),
@@ -116,7 +131,7 @@ def overhead_table(setup: Setup, calls: int) -> list[dict]:
     rows = []
     print(f"{'call':<32}{'launches':>9}{'host us':>10}{'loop us':>9}{'GPU us':>9}  host < GPU")
     for name, (fn, launches) in setup.calls().items():
-        fn()  # loads the cubins, builds the cached plan
+        host_us(fn, 10 * BATCH)  # loads the cubins, builds the cached plan, warms the host
         row = {"call": name, "launches": launches, "host_us": host_us(fn, calls),
                "loop_us": loop_us(fn, calls), "gpu_us": timing.median_us(fn, runs=100)}
         rows.append(row)
@@ -130,59 +145,32 @@ def overhead_table(setup: Setup, calls: int) -> list[dict]:
 
 # ---- where plan.run's host time goes ----------------------------------------------------------
 
-class PrepackedRun:
-    """A sketch of a faster ``plan.run`` (not the library's code): the raw pointers of
-    everything the plan owns and of the pools are taken once, so a call checks q/out,
-    refreshes, reads two data pointers and calls the launcher once per kernel."""
-
-    def __init__(self, plan: TreeAttentionPlan) -> None:
-        self.plan = plan
-        self.expected = (plan.num_branches, plan.num_qo_heads, plan.head_dim)
-        alloc = plan.allocator
-        self.dtype, self.device = alloc.dtype, alloc.device
-        self.pools = [(k.data_ptr(), v.data_ptr()) for k, v in zip(alloc.k_pools,
-                                                                    alloc.v_pools)]
-        self.kernels = [(spec.name, grid, [runtime._raw(a) for a in middle], with_out)
-                        for spec, grid, middle, with_out in plan._templates]
-        self.scalars = list(plan._scalars)
-        self.launcher = runtime._launcher_for(self.device.index)
-
-    def run(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
-        for t in (q, out):
-            if t.shape != self.expected or t.dtype != self.dtype or not t.is_contiguous() \
-                    or t.get_device() != self.device.index:
-                raise ValueError("bad q or out")
-        self.plan.refresh()
-        q_ptr, out_ptr = q.data_ptr(), out.data_ptr()
-        if (q_ptr | out_ptr) % runtime.POINTER_ALIGN:
-            raise ValueError("unaligned q or out")
-        stream = runtime._current_raw_stream(self.device.index)
-        k_ptr, v_ptr = self.pools[layer]
-        for name, grid, middle, with_out in self.kernels:
-            args = [q_ptr, k_ptr, v_ptr, *middle, *((out_ptr,) if with_out else ()),
-                    *self.scalars]
-            self.launcher.launch(name, grid, args, stream)
-        return out
+def old_path(setup: Setup):
+    """``plan.run``'s launch before prepared launches (kept for comparison): build the
+    Launch list, convert every argument in Python, one checked launcher call per kernel."""
+    plan, q, out = setup.plan, setup.q, setup.out
+    return lambda out=out: runtime.run(plan.launches(q, *setup.pools, out), q.device)
 
 
 def plan_run_parts(setup: Setup) -> dict[str, object]:
-    plan, q, out, launches = setup.plan, setup.q, setup.out, setup.launches
+    plan, q, out = setup.plan, setup.q, setup.out
     device = q.device
-    launcher = runtime._launcher_for(device.index)
+    plan.run(q, 0, out)  # prepares the launches
+    prepared = plan._prepared
     stream = runtime._current_raw_stream(device.index)
-    raws = [[runtime._raw(a) for a in launch.args] for launch in launches]
+    pointers = (q.data_ptr(), *(p.data_ptr() for p in setup.pools), out.data_ptr())
+    alloc = setup.alloc
     return {
         "plan.run (whole)": lambda: plan.run(q, 0, out),
         "_validate": lambda: plan._validate(q, 0, out),
         "refresh (unchanged)": plan.refresh,
-        "launches (build Launch list)": lambda: plan.launches(q, *setup.pools, out),
-        "runtime.run (given the list)": lambda: runtime.run(launches, device),
-        "  _raw of every arg": lambda: [[runtime._raw(a) for a in launch.args]
-                                        for launch in launches],
+        "_launch (pointers + prepared run)": lambda: plan._launch(q, 0, out),
+        "  data pointers (q, pools, out)": lambda: (
+            q.data_ptr(), alloc.k_pools[0].data_ptr(), alloc.v_pools[0].data_ptr(),
+            out.data_ptr()),
         "  _current_raw_stream": lambda: runtime._current_raw_stream(device.index),
-        "  launcher.launch (raw args)": lambda: [
-            launcher.launch(launch.spec.name, launch.grid, raw, stream)
-            for launch, raw in zip(launches, raws)],
+        "  prepared.run (pointers given)": lambda: prepared.run(pointers, stream),
+        "old path: launches + runtime.run": old_path(setup),
     }
 
 
@@ -233,16 +221,18 @@ def profile_plan_run(setup: Setup, calls: int, top: int = 14) -> str:
     return stream.getvalue()
 
 
-def prepacked_figures(setup: Setup, calls: int) -> dict[str, float]:
-    fast = PrepackedRun(setup.plan)
+def old_path_figures(setup: Setup, calls: int) -> dict[str, float]:
+    """The per-launch path against ``plan.run``: its host time, and whether both write the
+    same output (bit for bit) into poisoned buffers."""
+    old = old_path(setup)
     expected = setup.plan.run(setup.q, 0, torch.full_like(setup.q, float("nan")))
-    got = fast.run(setup.q, 0, torch.full_like(setup.q, float("nan")))
+    got = torch.full_like(setup.q, float("nan"))
+    old(got)
     torch.cuda.synchronize()
     same = bool(torch.equal(expected, got))
-    figures = {"prepacked_run_us": host_us(lambda: fast.run(setup.q, 0, setup.out), calls),
-               "prepacked_matches_plan_run": same}
-    print(f"-- sketch: plan.run with pre-packed pointers (PrepackedRun): "
-          f"{figures['prepacked_run_us']:.2f} us per call, output equal to plan.run: {same}")
+    figures = {"per_launch_path_us": host_us(old, calls), "per_launch_matches_plan_run": same}
+    print(f"-- the per-launch path (plan.launches + runtime.run): "
+          f"{figures['per_launch_path_us']:.2f} us per call, output equal to plan.run: {same}")
     return figures
 
 
@@ -271,7 +261,7 @@ def main() -> None:
             "paged_decode_split": print_parts("paged_decode (4 x 8192, split)",
                                               paged_decode_parts(setup, True), args.calls),
         }
-        result.update(prepacked_figures(setup, args.calls))
+        result.update(old_path_figures(setup, args.calls))
         result["cprofile"] = profile_plan_run(setup, args.calls)
         print(result["cprofile"])
     if args.json:

@@ -1,11 +1,9 @@
-"""Time every compiled paged-decode candidate (FLASH_REASONING_AOT_GRID=wide build) and every
-split count on a few shapes: the data behind dispatch.decode_config and dispatch.num_splits.
-Run on a GPU."""
+"""Time every split count on a few shapes: the data behind dispatch.num_splits (the
+kernels' configs are the tuner's: python -m flash_reasoning.tune). Run on a GPU."""
 import sys
 
 import torch
 
-from aot.grid import DECODE_CANDIDATES
 from flash_reasoning import runtime, timing
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.synthetic import paged_problem
@@ -39,12 +37,9 @@ def main() -> None:
                                        out, 0.1, arch, sms, **choice)
             return timing.median_us(lambda: runtime.run(launches, device), runs=50)
 
-        configs = {c: time_it(config=c) for c in DECODE_CANDIDATES}
         splits = {n: time_it(num_splits=n) for n in SPLITS}
         auto = time_it()
         print(f"{name:26} floor {floor:7.1f}  heuristic {auto:7.1f} us ({auto / floor:.2f}x)\n"
-              f"   configs " + "  ".join(f"{c[0]}/{c[1]}/{c[2]}:{us:.1f}"
-                                       for c, us in configs.items()) + "\n"
               f"   splits  " + "  ".join(f"{n}:{us:.1f}" for n, us in splits.items()),
               flush=True)
 

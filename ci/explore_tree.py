@@ -1,14 +1,12 @@
-"""Sweep the tree planner's knobs and the tree kernels' configs on cases of the cases file:
-the data behind planner.MIN_CHUNK_TOKENS / WAVES / REREAD_WEIGHT and the tree configs in
-dispatch. Needs a FLASH_REASONING_AOT_GRID=wide build for the config sweep. Run on a GPU."""
-import dataclasses
+"""Sweep the tree planner's knobs on cases of the cases file: the data behind
+planner.MIN_CHUNK_TOKENS / WAVES / REREAD_WEIGHT (the kernels' configs are the tuner's:
+python -m flash_reasoning.tune). Run on a GPU."""
 import functools
 import sys
 
 import torch
 
-from aot.grid import TREE_FINAL_CANDIDATES, TREE_PARTIAL_CANDIDATES
-from flash_reasoning import TreeAttentionPlan, bench, dispatch, planner, runtime, timing
+from flash_reasoning import TreeAttentionPlan, bench, planner, runtime, timing
 
 CASES = ("seed_b256/q32kv8", "seed_b64/q32kv8", "seed_b1/q16kv1", "ft_1,1024/q32kv8",
          "ft_deep16/q32kv8", "ft_1,4,16,512/q32kv8", "ft_1,16,64/q32kv8", "ft_1,10/q32kv8",
@@ -18,10 +16,8 @@ WEIGHTS = (0.125, 2.0, 8.0)
 RUNS = 30
 
 
-def gpu_us(plan, q, out, swap=None):
+def gpu_us(plan, q, out):
     launches = plan.launches(q, plan.allocator.k_pools[0], plan.allocator.v_pools[0], out)
-    if swap:
-        launches = [dataclasses.replace(l, spec=swap(l.spec)) for l in launches]
     return timing.median_us(lambda: runtime.run(launches, q.device), RUNS), launches
 
 
@@ -53,21 +49,6 @@ def explore(case, bw):
             planner.plan = original
     print("    chunk " + " ".join(f"{c}:{us:.1f}" for c, us in chunks.items())
           + "  | reread weight " + " ".join(f"{w}:{us:.1f}" for w, us in weights.items()))
-    if case["head_dim"] != 128:
-        return
-    configs = []
-    for family, candidates in (("tree_partial", TREE_PARTIAL_CANDIDATES),
-                               ("tree_final", TREE_FINAL_CANDIDATES)):
-        for n, w, s in candidates:
-            def swap(spec, family=family, cfg=(n, w, s)):
-                if spec.family != family or (family == "tree_partial"
-                                             and dict(spec.constexprs)["BLOCK_M"] != 64):
-                    return spec
-                return dataclasses.replace(spec, constexprs=tuple(
-                    (k, cfg[0] if k == "BLOCK_N" else v) for k, v in spec.constexprs),
-                    num_warps=cfg[1], num_stages=cfg[2])
-            configs.append(f"{family[5:]} {n}/{w}/{s}:{gpu_us(plan, q, out, swap)[0]:.1f}")
-    print("    configs " + "  ".join(configs), flush=True)
 
 
 def main() -> None:

@@ -47,7 +47,13 @@ fi
 if [ -n "${EXPLORE_ATTEND:-}" ]; then
   log=attend.log step "explore attention loop variants" env PYTHONPATH=. python3 ci/explore_attend.py || status=1
 fi
-if [ "${AOT_GRID:-}" = wide ]; then
-  log=explore.log step "explore decode configs" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
+if [ -n "${EXPLORE_DECODE:-}" ]; then
+  log=explore.log step "explore decode splits" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
+fi
+if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
+  log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
+      --raw "$OUT/tuning-raw-$arch.json" || status=1
+  log=fixed.log step "tuned vs fixed configs" env FLASH_REASONING_TUNING="$OUT/tuning-$arch.json" \
+      python3 benchmarks/tuned_vs_fixed.py --json "$OUT/tuned_vs_fixed.json" || status=1
 fi
 exit $status

@@ -36,6 +36,8 @@ for arch in ("sm80", "sm89", "sm90"):
     assert cubins, f"no {arch} cubins in the wheel"
 p = paged_problem([33, 5], 8, 2, head_dim=128)
 assert torch.isfinite(flash_reasoning.paged_decode(p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)).all()
+from flash_reasoning import tuning_table
+assert tuning_table.load("sm90") is not None, "the shipped sm90 tuning table is not in the wheel"
 assert "triton" not in sys.modules
 print(f"wheel ok: {wheel.filename}, {sum(1 for n in wheel.namelist() if n.endswith('.cubin'))} cubins")
 PY

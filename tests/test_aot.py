@@ -58,18 +58,14 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
     launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
     for dtype in ("float16", "bfloat16"):
         for hd in dispatch.HEAD_DIMS:
-            for tokens in (1, 16, 17, 32, 33, 64, 65, 4096):
-                config = dispatch.decode_config(hd, arch, tokens)
-                assert launcher.pick(f"tree_final/{dtype}/{hd}", tokens) == \
-                    dispatch.tree_final_spec(dtype, hd, arch, config).name
-                assert launcher.pick(f"paged_decode/{dtype}/{hd}", tokens) == \
-                    dispatch.decode_spec(dtype, hd, False, arch, config).name
-                for block_m in dispatch.TREE_BLOCK_MS:
-                    partial = dispatch.tree_partial_config(hd, block_m, arch, tokens)
-                    assert launcher.pick(f"tree_partial/{dtype}/{hd}/{block_m}", tokens) == \
-                        dispatch.tree_partial_spec(dtype, hd, block_m, arch, partial).name
-            assert launcher.pick(f"paged_decode_split/{dtype}/{hd}", -1) == \
-                dispatch.decode_spec(dtype, hd, True, arch).name
+            for kernel, block_m in dispatch.RULE_LISTS:
+                key = dispatch.rule_key(kernel, dtype, hd, block_m)
+                bounds = [b for b, _ in dispatch.rules(kernel, dtype, hd, arch, block_m)[0] if b]
+                for tokens in {1, 16, 17, 32, 33, 64, 65, 4096} | {b + d for b in bounds
+                                                                   for d in (0, 1)}:
+                    config = dispatch.config_for(kernel, dtype, hd, arch, tokens, block_m)
+                    assert launcher.pick(key, tokens) == dispatch.kernel_spec(
+                        kernel, dtype, hd, arch, config, block_m).name, (key, tokens)
     assert _manifest(arch)["dispatch"]["constants"]["block_m"] == dispatch.BLOCK_M
     for seqs, programs, length in [(1, 8, 2048), (4, 16, 32768), (1, 2, 100), (64, 8, 4096),
                                    (3, 1, 700), (0, 8, 10)]:

@@ -6,7 +6,7 @@ import torch
 
 import flash_reasoning
 
-from flash_reasoning import bench, cli, report
+from flash_reasoning import bench, cli, report, tuning_table
 
 
 def test_info_lists_archs_kernels_and_dispatch(capsys):
@@ -18,7 +18,11 @@ def test_info_lists_archs_kernels_and_dispatch(capsys):
         assert f"{arch}: " in out
     for kernel in ("paged_decode", "tree_partial", "tree_final", "append_kv", "merge_splits"):
         assert f"    {kernel} (" in out
-    assert "HEAD_DIM=128" in out and "dispatch: heuristics" in out
+    assert "HEAD_DIM=128" in out
+    for arch in archs:  # each arch says where its configs come from
+        table = tuning_table.load(arch)
+        source = "heuristics" if table is None else f"{table.source} ("
+        assert f"dispatch {arch}: {source}" in out
     assert "C library: " in out and "libflash_reasoning.so (include " in out
     if not torch.cuda.is_available():
         assert "device: none" in out

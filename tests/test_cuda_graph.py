@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import gpu, poisoned_like
-from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference
+from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference, runtime
 from flash_reasoning.bench import case_allocator, seed_case
 from flash_reasoning.synthetic import random_branches, random_kv
 
@@ -91,3 +91,19 @@ def test_replay_matches_eager_and_reference_across_decode_steps(tree):
         q = random_q(plan, 10 + i)
         check_layers(captured.replay(q), plan, q)
     assert not torch.equal(plan.tables, tables_before)  # the steps took new blocks
+
+
+@gpu
+def test_replay_of_the_prepared_launches_equals_the_per_launch_path():
+    """The captured ``run`` (its prepared launches) writes bit for bit what launching
+    ``launches()`` one by one, outside any graph, writes."""
+    alloc, ids = random_forest()
+    plan = TreeAttentionPlan(alloc, ids, 32)
+    q = random_q(plan, 4)
+    replayed = CapturedRun(plan, random_q(plan, 5)).replay(q)
+    for layer, out in enumerate(replayed):
+        per_launch = poisoned_like(q)
+        runtime.run(plan.launches(q, alloc.k_pools[layer], alloc.v_pools[layer], per_launch),
+                    q.device)
+        torch.cuda.synchronize()
+        assert torch.equal(out, per_launch), f"layer {layer}"

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 
 from flash_reasoning import _launcher
-from flash_reasoning._launcher import Launcher, LauncherError
+from flash_reasoning._launcher import Hole, Launcher, LauncherError
 
 NAME = "paged_decode_fp16_d128_m16_n64_split0_w4_s2"
 CUBIN = b"CUBIN: stands in for a real cubin"
@@ -201,6 +201,69 @@ def test_bad_grid(launcher, grid):
     raises(lambda: launcher.launch(NAME, grid, [0, 1, 1.0], 0), "grid dimension")
 
 
+# ---------------------------------------------------------------- prepared launches (no driver reached)
+
+EMPTY = (0, 4, 1)  # a grid with a zero dimension: the launcher returns Ok without the driver
+
+
+def prepared(launcher, grids=(EMPTY, EMPTY), **kw):
+    """Two launches of NAME: the first reads hole 0 ('q') as its 'q', the second hole 1 ('out')."""
+    return launcher.prepare([(NAME, grids[0], [Hole(0), 3, 0.5]), (NAME, grids[1], [Hole(1), -2, 1.0])],
+                            ["q", "out"], **kw)
+
+
+def test_prepared_run_of_empty_launches(launcher):
+    seq = prepared(launcher)
+    assert seq.holes == ["q", "out"] and seq.num_launches == 0  # empty grids are dropped
+    assert seq.run([0x1000, 0x2000], 0) is None and seq.run((16, 2**64 - 16), 7) is None
+    assert prepared(launcher, allow_null=[False, True]).run([16, 0], 0) is None
+    assert prepared(launcher, grids=(EMPTY, (2, 3, 1))).num_launches == 1
+
+
+@pytest.mark.parametrize("pointers, fragments", [
+    ([16], ["take 2 pointers (q, out), got 1"]),
+    ([16, 32, 48], ["take 2 pointers (q, out), got 3"]),
+    ([0, 32], ["pointer 0 ('q', passed as argument 'q' of kernel '" + NAME + "') is null"]),
+    ([16, 0], ["pointer 1 ('out'", "is null"]),
+    ([16, 0x2008], ["pointer 1 ('out', passed as argument 'q'", "0x2008, not 16-byte aligned"]),
+    ([-16, 32], ["pointer 0 ('q') must be an int in [0, 2**64), got -16"]),
+    ([16, 2**64], ["pointer 1 ('out') must be an int", str(2**64)]),
+    ([16, 32.0], ["pointer 1 ('out') must be an int", "32.0"]),
+    ([16, None], ["pointer 1 ('out') must be an int", "None"]),
+    (16, ["pointers must be a sequence of ints, got int"]),
+])
+def test_prepared_run_rejects_bad_pointers(launcher, pointers, fragments):
+    err = raises(lambda: prepared(launcher).run(pointers, 0), *fragments)
+    assert err.code == 1
+
+
+@pytest.mark.parametrize("launches, fragments", [
+    ([(NAME, EMPTY, [Hole(2), 1, 1.0])], ["prepared launch 0 of 1", "argument 0 ('q', *fp16) takes pointer 2",
+                                          "has 2 pointers"]),
+    ([(NAME, EMPTY, [0, Hole(0), 1.0])], ["argument 1 ('num_kv_heads', i32) cannot be a per-run pointer"]),
+    ([(NAME, EMPTY, [0, 1, Hole(1)])], ["argument 2 ('sm_scale', fp32) cannot be a per-run pointer"]),
+    ([(NAME, EMPTY, [0x1238, 1, 1.0])], ["argument 0 ('q', *fp16) is 0x1238, not 16-byte aligned"]),
+    ([(NAME, EMPTY, [Hole(0), 1, 1.0]), (NAME, EMPTY, [Hole(1), 1])],
+     ["prepared launch 1 of 2", "takes 3 arguments, got 2"]),
+    ([(NAME, EMPTY, [Hole(0), 2**40, 1.0])], ["'num_kv_heads'", str(2**40)]),
+    ([(NAME, EMPTY, [Hole(0), 1, "x"])], ["'sm_scale'", "not a number"]),
+    ([(NAME, (1, 1, 70000), [Hole(0), 1, 1.0])], ["grid dimension 2 is 70000"]),
+    ([(NAME, EMPTY, [Hole(0), 1, 1.0]), ("nope", EMPTY, [])], ["prepared launch 1 of 2", "unknown kernel 'nope'"]),
+    ([(NAME, (1, 1), [Hole(0), 1, 1.0])], ["prepared launch 0 of 1: must be (kernel name, (x, y, z) grid, args)"]),
+    (["nope"], ["must be (kernel name"]),
+])
+def test_prepare_rejects_bad_launches(launcher, launches, fragments):
+    raises(lambda: launcher.prepare(launches, ["q", "out"]), *fragments)
+
+
+def test_prepare_rejects_bad_holes(launcher):
+    raises(lambda: Hole(-1), "hole index must be >= 0, got -1")
+    raises(lambda: prepared(launcher, allow_null=[True]), "allow_null has 1 entries for 2 holes")
+    many = [f"p{i}" for i in range(65)]
+    raises(lambda: launcher.prepare([(NAME, EMPTY, [Hole(64), 1, 1.0])], many), "at most 64 pointers, got 65")
+    assert repr(Hole(3)) == "Hole(3)" and Hole(3).index == 3
+
+
 # ---------------------------------------------------------------- driver loading (fresh interpreter each)
 
 def test_missing_libcuda(tmp_path):
@@ -216,6 +279,18 @@ def test_missing_libcuda(tmp_path):
     for key in ("launch", "again", "cc"):
         assert "could not load libcuda" in out[key]["error"], out[key]
         assert "NVIDIA driver" in out[key]["error"] and out[key]["code"] == 5
+
+
+def test_prepared_run_checks_pointers_before_the_driver(tmp_path):
+    folder = write_arch(tmp_path)
+    out = isolated(f"""
+        launcher = L.Launcher({str(folder)!r}, 0)
+        seq = launcher.prepare([({NAME!r}, (4, 1, 1), [L.Hole(0), 1, 1.0])], ["q"])
+        out["misaligned"] = attempt(lambda: seq.run([0x1234], 0))
+        out["launch"] = attempt(lambda: seq.run([0x1230], 0))
+    """, libcuda=tmp_path / "no" / "libcuda.so.1")
+    assert "pointer 0 ('q'" in out["misaligned"]["error"] and "not 16-byte aligned" in out["misaligned"]["error"]
+    assert "could not load libcuda" in out["launch"]["error"] and out["launch"]["code"] == 5
 
 
 def test_library_without_driver_api(tmp_path):
@@ -306,6 +381,43 @@ def test_fake_driver_launch(tmp_path, fake_libcuda):
     expected += bytes.fromhex("0000003f") + bytes(16)  # 0.5f, then the two null scratch pointers
     assert out["params"] == expected.hex()
     assert out["counts"] == [1, 2, 65536]  # loaded once, launched twice, large smem opted in
+
+
+def test_fake_driver_prepared_run(tmp_path, fake_libcuda):
+    """Each run fills the hole with its own pointer and launches every non-empty launch (the
+    empty one between is skipped); a bad pointer launches nothing, not even the first launch."""
+    folder = write_arch(tmp_path)
+    out = isolated(f"""
+        fake = ctypes.CDLL({str(fake_libcuda)!r})
+        launcher = L.Launcher({str(folder)!r}, 0)
+        seq = launcher.prepare([({NAME!r}, (5, 6, 7), [L.Hole(1), -7, 0.5]),
+                                ({NAME!r}, (0, 1, 1), [L.Hole(0), 1, 1.0]),
+                                ({NAME!r}, (2, 1, 1), [L.Hole(0), 3, 2.0])], ["a", "b"])
+        launches = lambda: ctypes.c_int.in_dll(fake, "fake_launches").value
+        params = lambda: bytes((ctypes.c_ubyte * 32).in_dll(fake, "fake_params")).hex()
+        dims = lambda: list((ctypes.c_uint * 7).in_dll(fake, "fake_dims"))
+        out["num_launches"] = seq.num_launches
+        out["first"] = attempt(lambda: seq.run([0x1230, 0x4560], 99))
+        out["first_params"], out["first_dims"], out["first_count"] = params(), dims(), launches()
+        out["second"] = attempt(lambda: seq.run([0x7770, 0x8880], 99))
+        out["second_params"], out["second_count"] = params(), launches()
+        out["bad"] = attempt(lambda: seq.run([0x7770, 0x8881], 99))
+        out["bad_count"] = launches()
+        one = launcher.prepare([({NAME!r}, (5, 6, 7), [L.Hole(1), -7, 0.5])], ["a", "b"])
+        out["one"] = attempt(lambda: one.run([0x10, 0x20], 99))
+        out["one_params"], out["one_dims"] = params(), dims()
+    """, libcuda=fake_libcuda)
+    assert out["num_launches"] == 2
+    assert out["first"] == out["second"] == {"ok": None}
+    tail = bytes(16).hex()  # the two null scratch pointers
+    # The last launch's params: hole 0 as 'q', then 3 (i32) and 2.0f.
+    assert out["first_params"] == (0x1230).to_bytes(8, "little").hex() + "03000000" + "00000040" + tail
+    assert out["second_params"] == (0x7770).to_bytes(8, "little").hex() + "03000000" + "00000040" + tail
+    assert out["first_dims"] == [2, 1, 1, 128, 1, 1, 65536]
+    assert (out["first_count"], out["second_count"]) == (2, 4)
+    assert "pointer 1 ('b', passed as argument 'q'" in out["bad"]["error"] and out["bad_count"] == 4
+    assert out["one"] == {"ok": None} and out["one_dims"] == [5, 6, 7, 128, 1, 1, 65536]
+    assert out["one_params"] == (0x20).to_bytes(8, "little").hex() + "f9ffffff" + "0000003f" + tail
 
 
 def test_fake_driver_load_errors(tmp_path, fake_libcuda):

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from flash_reasoning import TreeAttentionPlan, dispatch, log
+from flash_reasoning import TreeAttentionPlan, dispatch, log, tuning_table
 from flash_reasoning.bench import case_allocator, seed_case
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.synthetic import paged_problem
@@ -24,24 +24,41 @@ def messages(caplog, kernel):
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(kernel)]
 
 
+def expected_record(kernel, dtype, max_tokens, block_m=None, arch="sm90", head_dim=128):
+    """The record dispatch's rules give (heuristic or shipped table alike)."""
+    n, w, s = dispatch.config_for(kernel, dtype, head_dim, arch, max_tokens, block_m)
+    inputs = f"{dtype}, head_dim={head_dim}, max_tokens={max_tokens}"
+    inputs += f", block_m={block_m}" if block_m else ""
+    reason = dispatch.config_reason(kernel, dtype, head_dim, arch, max_tokens, block_m)
+    return f"{kernel} ({arch}): {inputs} -> BLOCK_N {n}, {w} warps, {s} stages ({reason})"
+
+
 def test_plan_logs_each_kernel_config_and_why(caplog):
     caplog.set_level(logging.DEBUG, logger="flash_reasoning")
     plan = seed_plan()
-    final = messages(caplog, "tree_final")
-    assert final == ["tree_final (sm90): decode_config(head_dim=128, max_tokens=64) -> "
-                     "BLOCK_N 32, 4 warps, 2 stages (range <= 64 tokens)"]
-    final_spec = plan._templates[-1][0]
-    assert final_spec == dispatch.tree_final_spec("float16", 128, "sm90", (32, 4, 2))
+    assert messages(caplog, "tree_final") == [expected_record("tree_final", "float16", 64)]
+    config = dispatch.config_for("tree_final", "float16", 128, "sm90", 64)
+    assert plan._templates[-1][0] == dispatch.tree_final_spec("float16", 128, "sm90", config)
     partial = messages(caplog, "tree_partial")
     assert len(partial) == len(plan._templates) - 1
-    assert "block_m=64" in partial[0] and "wide tile" in partial[0]
+    assert "block_m=64" in partial[0]
 
 
-def test_short_ranges_name_their_bound(caplog):
-    caplog.set_level(logging.DEBUG, logger="flash_reasoning")
-    seed_plan(batch=4, prefix=32, leaf=8)
-    assert any("max_tokens=8) -> BLOCK_N 16, 2 warps, 1 stages (range <= 16 tokens)" in m
-               for m in messages(caplog, "tree_final"))
+def test_the_reason_names_the_rule_and_its_source(caplog, monkeypatch, tmp_path):
+    path = tmp_path / "sm90.json"
+    tuning_table.write(path, "sm90", {"tree_final/float16/128": ((12, (16, 2, 1)),
+                                                                 (None, (64, 4, 2)))}, {})
+    monkeypatch.setenv(tuning_table.ENV_VAR, str(path))
+    dispatch.reset()
+    try:
+        caplog.set_level(logging.DEBUG, logger="flash_reasoning")
+        seed_plan(batch=4, prefix=32, leaf=8)
+        assert messages(caplog, "tree_final")[-1].endswith(
+            f"max_tokens=8 -> BLOCK_N 16, 2 warps, 1 stages ({tuning_table.ENV_VAR}={path}: "
+            "range <= 12 tokens)")
+    finally:
+        monkeypatch.delenv(tuning_table.ENV_VAR)
+        dispatch.reset()
 
 
 @pytest.mark.parametrize("num_splits, reason", [(None, "split toward 2 programs per SM"),
@@ -53,8 +70,8 @@ def test_paged_decode_logs_splits_and_config(caplog, num_splits, reason):
                     arch="sm90", num_sms=132, num_splits=num_splits)
     splits, config = messages(caplog, "paged_decode")
     assert reason in splits
-    assert config.endswith("few_programs=True) -> BLOCK_N 64, 4 warps, 3 stages "
-                           "(few programs (split): a deeper pipeline hides their latency)")
+    tokens = -(-2048 // (num_splits or dispatch.num_splits(2, 2, 2048, 132)))
+    assert config == expected_record("paged_decode_split", "float16", tokens)
 
 
 def test_a_given_config_is_not_explained_by_a_rule(caplog):
@@ -93,4 +110,5 @@ def test_env_var_sends_records_to_stderr():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "FLASH_REASONING_LOG": "debug"})
     assert result.returncode == 0, result.stderr
-    assert "flash_reasoning DEBUG: tree_final (sm90): decode_config(" in result.stderr
+    assert "flash_reasoning DEBUG: tree_final (sm90): float16, head_dim=128, max_tokens=" \
+        in result.stderr

@@ -8,7 +8,10 @@ from hypothesis import strategies as st
 from conftest import HAS_GPU, gpu, interpreter, poisoned_like
 from flash_reasoning import (PhysicalKVAllocator, StalePlan, TreeAttentionPlan, UnknownBranch,
                              reference, tree_attention)
+from flash_reasoning import _launcher, runtime
+from flash_reasoning._launcher import LauncherError
 from flash_reasoning.bench import case_allocator, load_cases
+from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
 from flash_reasoning.synthetic import random_branches, random_kv
 from flash_reasoning.tree import build_branches, from_levels
 
@@ -158,6 +161,26 @@ def test_bad_input_is_rejected_without_state_change(bad, error, match):
     assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
 
 
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk):
+    """On CPU, with the sm90 manifest: the plan's launches, placeholders for the per-call
+    pointers, pass every launcher check (argument count and types, the plan's buffers
+    aligned, each placeholder on a pointer parameter); a bad pointer is refused by name
+    before the driver is reached."""
+    alloc, ids = forest("cpu", num_kv_heads=8, head_dim=128, tokens=200)
+    plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk)
+    launcher = _launcher.Launcher(runtime.artifact_root() / "sm90", 0)
+    monkeypatch.setattr(runtime, "_launcher_for", lambda device_index: launcher)
+    prepared = runtime.prepare(plan.launches, PER_CALL_POINTERS, alloc.device)
+    assert prepared.holes == list(PER_CALL_POINTERS)
+    assert prepared.num_launches == len(plan._templates) >= 2
+    with pytest.raises(LauncherError, match=r"pointer 3 \('out', passed as argument 'out' of "
+                                            r"kernel 'tree_final_.*0x48, not 16-byte aligned"):
+        prepared.run((16, 32, 48, 72), 0)
+    with pytest.raises(LauncherError, match=r"pointer 1 \('k_pool', .* is null"):
+        prepared.run((16, 0, 48, 64), 0)
+
+
 def test_non_finite_scale_is_rejected():
     alloc, ids = forest("cpu", seed=8)
     with pytest.raises(ValueError, match="sm_scale"):
@@ -231,6 +254,31 @@ def test_gpu_plan_run_in_a_cuda_graph_after_decode_steps():
         torch.cuda.synchronize()
         check(out, q, alloc, ids)
         assert torch.equal(out, plan.run(q, 0))
+
+
+@gpu
+def test_gpu_prepared_run_equals_the_per_launch_path():
+    """``run`` launches its prepared launches: bit for bit what launching ``launches()`` one
+    by one writes, in every layer; a misaligned pointer handed to them launches nothing."""
+    alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=64, tokens=200,
+                        block_size=16, layers=2)
+    q = queries(alloc, ids, 32)
+    plan = TreeAttentionPlan(alloc, ids, 32, target_chunk=64)
+    for layer in range(alloc.num_layers):
+        pools = alloc.k_pools[layer], alloc.v_pools[layer]
+        per_launch = poisoned_like(q)
+        runtime.run(plan.launches(q, *pools, per_launch), q.device)
+        prepared = plan.run(q, layer, poisoned_like(q))
+        torch.cuda.synchronize()
+        assert torch.equal(prepared, per_launch), f"layer {layer}"
+        check(prepared, q, alloc, ids, layer)
+    assert plan._prepared.num_launches == len(plan._templates) >= 2
+    out = poisoned_like(q)
+    pointers = (q.data_ptr(), *(p.data_ptr() for p in pools), out.data_ptr() + 2)
+    with pytest.raises(LauncherError, match=r"pointer 3 \('out'.*not 16-byte aligned"):
+        plan._prepared.run(pointers, runtime._current_raw_stream(q.device.index))
+    torch.cuda.synchronize()
+    assert out.isnan().all()
 
 
 @gpu

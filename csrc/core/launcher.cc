@@ -109,28 +109,41 @@ Status Launcher::pack(const KernelInfo& k, const Arg* args, size_t num_args, uin
 }
 
 Status Launcher::launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream) {
+  uint64_t slots[kMaxKernelParams];  // the manifest caps params, so this never overflows
+  bool empty = false;
+  Status st = pack_launch(index, grid, args, num_args, slots, &empty);
+  if (!st.ok() || empty) return st;  // empty: no work; a zero-sized cuLaunchKernel would be an error
+  return launch_packed(index, grid, slots, stream);
+}
+
+Status Launcher::pack_launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, uint64_t* slots,
+                             bool* empty) const {
   if (index < 0 || size_t(index) >= manifest_.kernels.size())
     return Status::Error(Code::kNotFound, "kernel index " + std::to_string(index) + " out of range");
   const KernelInfo& k = manifest_.kernels[index];
-  uint64_t slots[kMaxKernelParams];  // the manifest caps params, so this never overflows
   Status st = pack(k, args, num_args, slots);
   if (!st.ok()) return st;
-  bool empty = false;
+  *empty = false;
   for (int i = 0; i < 3; ++i) {
     if (grid[i] < 0 || grid[i] > kMaxGrid[i])
       return Status::Error(Code::kInvalidArgument, "kernel '" + k.name + "': grid dimension " + std::to_string(i) +
                                                        " is " + std::to_string(grid[i]) + ", must be in [0, " +
                                                        std::to_string(kMaxGrid[i]) + "]");
-    empty = empty || grid[i] == 0;
+    *empty = *empty || grid[i] == 0;
   }
-  if (empty) return Status::Ok();  // no work; a zero-sized cuLaunchKernel would be an error
+  return Status::Ok();
+}
 
+Status Launcher::launch_packed(int index, const int64_t grid[3], const uint64_t* slots, CUstream stream) {
+  const KernelInfo& k = manifest_.kernels[index];
   const Driver* d;
-  if (!(st = get_driver(&d)).ok()) return st;
+  Status st = get_driver(&d);
+  if (!st.ok()) return st;
   CUfunction f;
   if (!(st = function(*d, index, &f)).ok()) return st;
+  // cuLaunchKernel only reads the parameters, through non-const pointers.
   void* params[kMaxKernelParams];
-  for (size_t i = 0; i < num_args + 2; ++i) params[i] = &slots[i];
+  for (size_t i = 0; i < k.params.size() + 2; ++i) params[i] = const_cast<uint64_t*>(&slots[i]);
   CUresult rc = d->cuLaunchKernel(f, unsigned(grid[0]), unsigned(grid[1]), unsigned(grid[2]),
                                   unsigned(k.num_warps * 32), 1, 1, unsigned(k.shared), stream, params, nullptr);
   return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuLaunchKernel(" + k.name + ")");

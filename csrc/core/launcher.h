@@ -48,6 +48,15 @@ class Launcher {
   // dimension is empty work: returns Ok without touching the driver.
   Status launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream);
 
+  // launch() in two halves, so a caller can check and pack once and launch many times
+  // (LaunchSequence). pack_launch makes every check launch() makes, without the driver, and
+  // writes the kernel's parameter slots (its params, then the two scratch pointers) into
+  // `slots` (kMaxKernelParams entries); *empty: the grid has a zero dimension (no work).
+  Status pack_launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, uint64_t* slots,
+                     bool* empty) const;
+  // Launches slots and a grid that pack_launch accepted as non-empty (they are not checked again).
+  Status launch_packed(int index, const int64_t grid[3], const uint64_t* slots, CUstream stream);
+
   // Makes a context of the device current on this thread (the current one, or the device's
   // primary context when there is none): memory calls need one.
   Status make_current();

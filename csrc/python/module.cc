@@ -7,6 +7,7 @@
 
 #include "arch.h"
 #include "driver.h"
+#include "launch_sequence.h"
 #include "launcher.h"
 #include "paged_decode.h"
 #include "planner.h"
@@ -71,6 +72,72 @@ void launch(fr::Launcher& l, const std::string& name, const std::array<int64_t, 
   packed.reserve(args.size());
   for (py::handle a : args) packed.push_back(to_arg(a));
   check(l.launch(index, grid.data(), packed.data(), packed.size(), reinterpret_cast<fr::CUstream>(stream)));
+}
+
+// In the args given to Launcher.prepare: the slot that each run fills with pointers[index].
+struct Hole {
+  int index;
+};
+
+fr::Status invalid(const std::string& message) { return fr::Status::Error(fr::Code::kInvalidArgument, message); }
+
+std::string type_name(py::handle h) { return Py_TYPE(h.ptr())->tp_name; }
+
+// Launch i of n, as the core takes it; errors say which launch, as the core's do.
+fr::SequenceLaunch to_sequence_launch(const fr::Launcher& l, py::handle launch, size_t i, size_t n) {
+  std::string where = "prepared launch " + std::to_string(i) + " of " + std::to_string(n) + ": ";
+  std::tuple<std::string, std::array<int64_t, 3>, py::sequence> t;
+  try {
+    t = launch.cast<decltype(t)>();
+  } catch (const py::cast_error&) {
+    raise(invalid(where + "must be (kernel name, (x, y, z) grid, args), got " + py::repr(launch).cast<std::string>()));
+  }
+  fr::SequenceLaunch s;
+  fr::Status st = l.find(std::get<0>(t), &s.kernel);
+  if (!st.ok()) raise({st.code, where + st.message});
+  std::copy(std::get<1>(t).begin(), std::get<1>(t).end(), s.grid);
+  for (py::handle a : std::get<2>(t))
+    s.args.push_back(py::isinstance<Hole>(a) ? fr::SequenceArg::Hole(a.cast<const Hole&>().index)
+                                             : fr::SequenceArg::Value(to_arg(a)));
+  return s;
+}
+
+std::unique_ptr<fr::LaunchSequence> prepare(fr::Launcher& l, const py::sequence& launches,
+                                            const std::vector<std::string>& holes,
+                                            const std::vector<bool>& allow_null) {
+  if (!allow_null.empty() && allow_null.size() != holes.size())
+    raise(invalid("allow_null has " + std::to_string(allow_null.size()) + " entries for " +
+                  std::to_string(holes.size()) + " holes"));
+  std::vector<fr::HoleInfo> infos;
+  for (size_t i = 0; i < holes.size(); ++i) infos.push_back({holes[i], !allow_null.empty() && allow_null[i]});
+  std::vector<fr::SequenceLaunch> converted;
+  for (size_t i = 0; i < launches.size(); ++i)
+    converted.push_back(to_sequence_launch(l, launches[i], i, launches.size()));
+  std::unique_ptr<fr::LaunchSequence> seq;
+  check(fr::LaunchSequence::prepare(&l, converted, std::move(infos), &seq));
+  return seq;
+}
+
+// The per-call path: pointers (Python ints) converted on the stack, then the core's run.
+void run_sequence(const fr::LaunchSequence& s, py::handle pointers, uintptr_t stream) {
+  py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(pointers.ptr(), ""));
+  if (!fast) {
+    PyErr_Clear();
+    raise(invalid("pointers must be a sequence of ints, got " + type_name(pointers)));
+  }
+  size_t n = size_t(PySequence_Fast_GET_SIZE(fast.ptr()));
+  check(s.check_count(n));  // bounds n by kMaxHoles, which prepare enforced
+  uint64_t values[fr::kMaxHoles];
+  PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+  for (size_t i = 0; i < n; ++i) {
+    values[i] = PyLong_AsUnsignedLongLong(items[i]);  // ints only: TypeError for anything else
+    if (values[i] == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      raise(invalid("pointer " + std::to_string(i) + " ('" + s.holes()[i].name +
+                    "') must be an int in [0, 2**64), got " + py::repr(items[i]).cast<std::string>()));
+    }
+  }
+  check(s.run(values, n, reinterpret_cast<fr::CUstream>(stream)));
 }
 
 std::vector<std::pair<std::string, std::string>> params(const fr::Launcher& l, const std::string& name) {
@@ -285,5 +352,33 @@ PYBIND11_MODULE(_launcher, m) {
           "Splits per sequence of the C ABI's paged decode (Python: dispatch.num_splits).")
       .def("params", &params, py::arg("name"), "(name, type) of the caller-supplied params (scratch excluded).")
       .def("launch", &launch, py::arg("name"), py::arg("grid"), py::arg("args"), py::arg("stream"),
-           "Launch kernel `name` on `stream` (a CUstream as int; 0 = default stream). Asynchronous.");
+           "Launch kernel `name` on `stream` (a CUstream as int; 0 = default stream). Asynchronous.")
+      .def("prepare", &prepare, py::arg("launches"), py::arg("holes"), py::arg("allow_null") = std::vector<bool>(),
+           py::keep_alive<0, 1>(),
+           "Check and pack launches, each (name, grid, args), once: a Hole(i) in args stands for the pointer "
+           "that each run supplies as pointers[i], named holes[i] in errors (null only where allow_null[i]). "
+           "Returns PreparedLaunches.");
+
+  py::class_<Hole>(m, "Hole", "In Launcher.prepare's args: the pointer each run supplies as pointers[index].")
+      .def(py::init([](int index) {
+             if (index < 0) raise(invalid("hole index must be >= 0, got " + std::to_string(index)));
+             return Hole{index};
+           }),
+           py::arg("index"))
+      .def_readonly("index", &Hole::index)
+      .def("__repr__", [](const Hole& h) { return "Hole(" + std::to_string(h.index) + ")"; });
+
+  py::class_<fr::LaunchSequence>(m, "PreparedLaunches",
+                                 "Launches checked and packed once (Launcher.prepare); run fills the holes.")
+      .def("run", &run_sequence, py::arg("pointers"), py::arg("stream"),
+           "Check the pointers (one per hole: non-null unless allowed, 16-byte aligned), then launch each "
+           "launch with a non-empty grid on `stream` (a CUstream as int). Asynchronous; allocates nothing.")
+      .def_property_readonly("holes",
+                             [](const fr::LaunchSequence& s) {
+                               std::vector<std::string> names;
+                               for (const auto& h : s.holes()) names.push_back(h.name);
+                               return names;
+                             })
+      .def_property_readonly("num_launches", &fr::LaunchSequence::num_launches,
+                             "Launches with work (those with an empty grid are dropped).");
 }

@@ -114,16 +114,23 @@ def unique_bytes(case: dict) -> int:
     return case["unique_tokens"] * bytes_per_token(case) + qo
 
 
-def case_allocator(case: dict, device: str = "cuda", block_size: int = 16,
-                   seed: int = 0) -> tuple[PhysicalKVAllocator, list[int]]:
-    """The case's tree in a fresh allocator, random K/V in every node; returns the leaves."""
+def case_allocator(case: dict, device: str = "cuda", block_size: int = 16, seed: int = 0,
+                   random: bool = True) -> tuple[PhysicalKVAllocator, list[int]]:
+    """The case's tree in a fresh allocator, random K/V in every node (zeros, made on the
+    device at once, when only timing matters: ``random=False``); returns the leaves."""
     spec = from_levels(case["nodes_per_level"], case["tokens_per_level"])
     blocks = int((-(-spec.seqlen // block_size) + 1).sum()) + 1
     alloc = PhysicalKVAllocator(blocks, block_size, case["num_kv_heads"], case["head_dim"],
                                 dtype=dtype_of(case), device=device)
     gen = torch.Generator().manual_seed(seed)
-    leaves = build_branches(alloc, spec, lambda node, layer, n: random_kv(alloc, gen, n))
-    return alloc, leaves
+
+    def fill(node, layer, n):
+        if random:
+            return random_kv(alloc, gen, n)
+        zeros = torch.zeros(n, alloc.num_kv_heads, alloc.head_dim, dtype=alloc.dtype,
+                            device=device)
+        return zeros, zeros
+    return alloc, build_branches(alloc, spec, fill)
 
 
 @dataclass

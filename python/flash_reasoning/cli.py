@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from . import __version__, bench, demo, dispatch, report, runtime, timing
+from . import __version__, bench, demo, report, runtime, timing, tuning_table
 
 
 def cmd_info(_args) -> int:
@@ -22,11 +22,8 @@ def cmd_info(_args) -> int:
               f"{manifest['triton_version']}, ptxas {manifest['ptxas_version']})")
         for kernel, labels in _configs_by_family(manifest).items():
             print(f"    {kernel} ({len(labels)}): " + "; ".join(labels))
-    short = ", ".join(f"<= {bound} tokens {config}"
-                      for bound, config in dispatch.SHORT_RANGE_CONFIGS)
-    print("dispatch: heuristics in flash_reasoning/dispatch.py (no tuning table measured yet); "
-          f"decode-tile configs (BLOCK_N, warps, stages) by the longest range: {short}, "
-          f"longer {dispatch.LONG_RANGE_CONFIG}, split decode {dispatch.FEW_PROGRAMS_CONFIG}")
+    for arch in runtime.available_archs():
+        print(f"dispatch {arch}: {_dispatch_source(arch)}")
     if not torch.cuda.is_available():
         print("device: none (CPU tensors run the PyTorch path)")
         return 0
@@ -35,6 +32,16 @@ def cmd_info(_args) -> int:
           f"(sm{''.join(map(str, torch.cuda.get_device_capability(index)))}, driver "
           f"{_driver_version()}) -> cubins {runtime.arch_of(index)}")
     return 0
+
+
+def _dispatch_source(arch: str) -> str:
+    """Where ``arch``'s kernel configs come from: a measured table or the heuristics."""
+    table = tuning_table.load(arch)
+    if table is None:
+        return "heuristics in flash_reasoning/dispatch.py (no tuning table for this arch)"
+    measured = ", ".join(f"{table.measured_on[k]}" for k in ("device", "date")
+                         if k in table.measured_on)
+    return f"{table.source} ({len(table.rules)} rule lists, measured on {measured})"
 
 
 def _c_library() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 
+from . import tuning_table
 from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
                               TREE_PARTIAL, Spec, make_spec)
 
@@ -23,9 +24,20 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-#: Decode-tile configs (BLOCK_N, num_warps, num_stages) for ranges of at most this many
-#: tokens: a short range is mostly fixed cost, so small tiles that let many programs share an
-#: SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; H200: 64
+Config = tuple[int, int, int]
+#: ``((max_tokens or None, config), ...)``: the first rule whose bound is at least a call's
+#: longest range (tokens one program walks) gives its (BLOCK_N, num_warps, num_stages); bounds
+#: ascend and the last is ``None`` (any length). The manifest exports the same lists.
+Rules = tuple[tuple[int | None, Config], ...]
+
+#: The kernels that pick a config by rules: ``paged_decode`` (one program per sequence and GQA
+#: tile), ``paged_decode_split`` (a split decode: few programs), ``tree_final`` and
+#: ``tree_partial`` (a rule list per query-row tile).
+RULE_KERNELS = ("paged_decode", "paged_decode_split", "tree_final", "tree_partial")
+
+#: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
+#: this many tokens: a short range is mostly fixed cost, so small tiles that let many programs
+#: share an SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; H200: 64
 #: leaves of 64 tokens 35.8 us at 32/4/2, 42.3 at 64/4/2; docs/perf.md).
 SHORT_RANGE_CONFIGS = ((16, (16, 2, 1)), (32, (32, 2, 2)), (64, (32, 4, 2)))
 #: Many programs over longer ranges: two stages (more programs per SM) beat three.
@@ -33,32 +45,85 @@ LONG_RANGE_CONFIG = (64, 4, 2)
 #: Few programs (a split decode): nothing else hides a lone program's latency, so a deeper
 #: pipeline (one range of 2048 tokens: 50.7 us at 64/4/3, 60.7 at 64/4/2).
 FEW_PROGRAMS_CONFIG = (64, 4, 3)
+#: head_dim 256: its accumulator needs twice the warps; larger tiles overflow shared memory.
+HEAD_DIM_256_CONFIG = (64, 8, 2)
 
 
-def decode_config(head_dim: int, arch: str, max_tokens: int | None = None,
-                  few_programs: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of a decode-tile kernel (``paged_decode``,
-    ``tree_final``, the narrow ``tree_partial``) whose programs walk at most ``max_tokens``
-    tokens each (``None``: unknown, long).
+def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
+    """The documented rules of an arch without a tuning table (sm80 and sm89 here, and any key
+    a table lacks), from the H100 sweeps of ``ci/explore_attend.py`` (docs/perf.md).
 
-    From the H100 sweep of ``ci/explore_attend.py`` (docs/perf.md); sm80 and sm89 use the
-    same until they are measured, head_dim 256 keeps its measured config.
-    """
-    del arch
+    The wide ``tree_partial`` tile walks long shared ranges with three stages (H100: 16 tiles
+    x 2048 tokens 49.0 us, 57.6 at two); sm89 has 99 KB of shared memory per block: one stage
+    less."""
+    if kernel == "tree_partial" and block_m != BLOCK_M:
+        if arch == "sm89":
+            return ((None, (64, 8, 1) if head_dim == 256 else (64, 4, 2)),)
+        return ((None, (64, 8, 2) if head_dim == 256 else (64, 4, 3)),)
     if head_dim == 256:
-        return (64, 8, 2)
-    if few_programs:
-        return FEW_PROGRAMS_CONFIG
-    for bound, config in SHORT_RANGE_CONFIGS:
-        if max_tokens is not None and max_tokens <= bound:
-            return config
-    return LONG_RANGE_CONFIG
+        return ((None, HEAD_DIM_256_CONFIG),)
+    if kernel == "paged_decode_split":
+        return ((None, FEW_PROGRAMS_CONFIG),)
+    return SHORT_RANGE_CONFIGS + ((None, LONG_RANGE_CONFIG),)
 
 
-def range_configs(head_dim: int, arch: str) -> list[tuple[int, int, int]]:
-    """Every config :func:`decode_config` returns for many programs, whatever the range."""
-    bounds = [None] + [bound for bound, _ in SHORT_RANGE_CONFIGS]
-    return list(dict.fromkeys(decode_config(head_dim, arch, b) for b in bounds))
+def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None) -> str:
+    """The name of a rule list, in tuning tables and the manifest: ``tree_final/float16/128``,
+    ``tree_partial/float16/128/64``."""
+    if kernel not in RULE_KERNELS:
+        raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {RULE_KERNELS}")
+    key = f"{kernel}/{dtype}/{head_dim}"
+    return key if kernel != "tree_partial" else f"{key}/{block_m}"
+
+
+@functools.lru_cache(maxsize=None)
+def rules(kernel: str, dtype: str, head_dim: int, arch: str,
+          block_m: int | None = None) -> tuple[Rules, str]:
+    """The rule list serving ``kernel`` and where it comes from: the arch's tuning table
+    (shipped, or ``$FLASH_REASONING_TUNING``) when it has the key, else the heuristics."""
+    key = rule_key(kernel, dtype, head_dim, block_m)
+    table = tuning_table.load(arch)
+    if table is not None and key in table.rules:
+        return table.rules[key], table.source
+    return heuristic_rules(kernel, head_dim, arch, block_m), "heuristic"
+
+
+def pick_rule(rule_list: Rules, max_tokens: int | None) -> tuple[int | None, Config]:
+    """The first rule covering ``max_tokens`` (``None``: unknown, served as long)."""
+    for bound, config in rule_list:
+        if bound is None or (max_tokens is not None and max_tokens <= bound):
+            return bound, config
+    raise ValueError(f"rules {rule_list} end without a rule for any length")
+
+
+def config_for(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None = None,
+               block_m: int | None = None) -> Config:
+    """(BLOCK_N, num_warps, num_stages) of ``kernel`` for programs that walk at most
+    ``max_tokens`` tokens each (``None``: unknown, long)."""
+    return pick_rule(rules(kernel, dtype, head_dim, arch, block_m)[0], max_tokens)[1]
+
+
+def config_reason(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None,
+                  block_m: int | None = None) -> str:
+    """Why :func:`config_for` gives its config: the rule list's source and the matched rule."""
+    rule_list, source = rules(kernel, dtype, head_dim, arch, block_m)
+    bound, _ = pick_rule(rule_list, max_tokens)
+    shorter = [b for b, _ in rule_list if b is not None]
+    if bound is not None:
+        rule = f"range <= {bound} tokens"
+    elif not shorter:
+        rule = "one config for any range"
+    else:
+        rule = "range unknown: long" if max_tokens is None else f"range > {shorter[-1]} tokens"
+    return f"{source}: {rule}"
+
+
+def reset() -> None:
+    """Forget the loaded tuning tables and the rules and specs made from them (after
+    ``$FLASH_REASONING_TUNING`` changes)."""
+    tuning_table.load.cache_clear()
+    for cached in (rules, decode_spec, tree_partial_spec, tree_final_spec):
+        cached.cache_clear()
 
 
 def check_head_dim(head_dim: int, owner: str = "the call") -> None:
@@ -77,12 +142,13 @@ def check_dtype(dtype: str, owner: str = "the call") -> None:
 
 @functools.lru_cache(maxsize=None)  # a Spec per call would cost host time per launch
 def decode_spec(dtype: str, head_dim: int, split: bool, arch: str,
-                config: tuple[int, int, int] | None = None) -> Spec:
-    """The decode kernel for a call; ``config`` (BLOCK_N, warps, stages) overrides the
-    heuristic (a tuning run times each compiled candidate this way)."""
+                config: Config | None = None) -> Spec:
+    """The decode kernel for a call; ``config`` (BLOCK_N, warps, stages) overrides the rules
+    (a tuning run times each compiled candidate this way)."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    block_n, warps, stages = config or decode_config(head_dim, arch, few_programs=split)
+    kernel = "paged_decode_split" if split else "paged_decode"
+    block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(PAGED_DECODE, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
                      BLOCK_N=block_n, SPLIT=int(split))
 
@@ -109,56 +175,60 @@ def tree_block_m(flat_rows: int) -> int:
     return TREE_BLOCK_MS[0] if flat_rows <= TREE_BLOCK_MS[0] else TREE_BLOCK_MS[1]
 
 
-def tree_partial_config(head_dim: int, block_m: int, arch: str,
-                        max_tokens: int | None = None) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of ``tree_partial`` for items of at most
-    ``max_tokens``: the decode config for the decode tile. The wide tile walks long shared
-    ranges with three stages (H100: 16 tiles x 2048 tokens 49.0 us, 57.6 at two); it
-    doubles the warps at head_dim 256 (its accumulator). sm89 has 99 KB of shared memory
-    per block: one stage less."""
-    if block_m == BLOCK_M:
-        return decode_config(head_dim, arch, max_tokens)
-    if head_dim == 256:
-        return (64, 8, 1) if arch == "sm89" else (64, 8, 2)
-    return (64, 4, 2) if arch == "sm89" else (64, 4, 3)
-
-
 @functools.lru_cache(maxsize=None)
 def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
-                      config: tuple[int, int, int] | None = None) -> Spec:
+                      config: Config | None = None) -> Spec:
     check_dtype(dtype)
     check_head_dim(head_dim)
     if block_m not in TREE_BLOCK_MS:
         raise ValueError(f"tree_partial BLOCK_M {block_m} is not compiled: {TREE_BLOCK_MS}")
-    block_n, warps, stages = config or tree_partial_config(head_dim, block_m, arch)
+    block_n, warps, stages = config or config_for("tree_partial", dtype, head_dim, arch,
+                                                  block_m=block_m)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
                      BLOCK_N=block_n)
 
 
 @functools.lru_cache(maxsize=None)
-def tree_final_spec(dtype: str, head_dim: int, arch: str,
-                    config: tuple[int, int, int] | None = None) -> Spec:
-    """One branch's GQA group per program, like the decode kernel; ``config`` from
-    :func:`decode_config` for the plan's longest final range."""
+def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None) -> Spec:
+    """One branch's GQA group per program, like the decode kernel."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    block_n, warps, stages = config or decode_config(head_dim, arch)
+    block_n, warps, stages = config or config_for("tree_final", dtype, head_dim, arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
                      BLOCK_N=block_n)
 
 
+def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
+                block_m: int | None = None) -> Spec:
+    """The spec of a rule list's kernel (:data:`RULE_KERNELS`) at ``config``."""
+    if kernel == "tree_partial":
+        return tree_partial_spec(dtype, head_dim, block_m, arch, config)
+    if kernel == "tree_final":
+        return tree_final_spec(dtype, head_dim, arch, config)
+    return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config)
+
+
+#: (kernel, block_m) of every rule list of one dtype and head_dim.
+RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None)) + \
+    tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
+
+
+def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple[int | None, Spec]]]:
+    """Every rule list of one dtype and head_dim, by key, as (bound, kernel spec) pairs."""
+    return {rule_key(kernel, dtype, head_dim, block_m):
+            [(bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m))
+             for bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
+            for kernel, block_m in RULE_LISTS}
+
+
 def required_specs(arch: str) -> list[Spec]:
-    """Every spec the functions above can return for ``arch``."""
+    """Every spec the functions above can return for ``arch``: what the AOT grid compiles."""
     specs = [append_spec()]
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
-            configs = range_configs(head_dim, arch)
-            specs += [decode_spec(dtype, head_dim, False, arch, c) for c in configs]
-            specs.append(decode_spec(dtype, head_dim, True, arch))
             specs.append(merge_spec(dtype, head_dim))
-            specs.append(tree_partial_spec(dtype, head_dim, TREE_BLOCK_MS[1], arch))
-            specs += [tree_partial_spec(dtype, head_dim, BLOCK_M, arch, c) for c in configs]
-            specs += [tree_final_spec(dtype, head_dim, arch, c) for c in configs]
+            for rule_list in rule_specs(dtype, head_dim, arch).values():
+                specs += [spec for _, spec in rule_list]
     return list(dict.fromkeys(specs))
 
 
@@ -179,33 +249,20 @@ def num_splits(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: 
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def _range_rules(choose) -> list[list]:
-    """``[[max_tokens or None, kernel name], ...]`` of ``choose(max_tokens) -> Spec`` over the
-    range bounds, a bound dropped where the next one picks the same kernel."""
-    bounds = [bound for bound, _ in SHORT_RANGE_CONFIGS] + [None]
-    rules = [[bound, choose(bound).name] for bound in bounds]
-    return [rule for rule, after in zip(rules, rules[1:] + [None])
-            if after is None or after[1] != rule[1]]
-
-
 def dispatch_rules(arch: str) -> dict:
-    """The rules above as data, for the manifest: a C caller of ``libflash_reasoning`` picks
-    by them the kernels these functions pick (keys ``family/dtype/head_dim[/block_m]``)."""
-    rules = {"append_kv": [[None, append_spec().name]]}
+    """The rules as data, for the manifest: a C caller of ``libflash_reasoning`` picks by them
+    the kernels these functions pick (``[[max_tokens or None, kernel name], ...]`` by key, a
+    bound dropped where the next rule names the same kernel)."""
+    rules_out = {"append_kv": [[None, append_spec().name]]}
     for dtype in DTYPES:
         for hd in HEAD_DIMS:
-            at = f"{dtype}/{hd}"
-            rules[f"paged_decode/{at}"] = _range_rules(lambda n: decode_spec(
-                dtype, hd, False, arch, decode_config(hd, arch, n)))
-            rules[f"paged_decode_split/{at}"] = [[None, decode_spec(dtype, hd, True, arch).name]]
-            rules[f"merge_splits/{at}"] = [[None, merge_spec(dtype, hd).name]]
-            rules[f"tree_final/{at}"] = _range_rules(lambda n: tree_final_spec(
-                dtype, hd, arch, decode_config(hd, arch, n)))
-            for block_m in TREE_BLOCK_MS:
-                rules[f"tree_partial/{at}/{block_m}"] = _range_rules(lambda n: tree_partial_spec(
-                    dtype, hd, block_m, arch, tree_partial_config(hd, block_m, arch, n)))
+            rules_out[f"merge_splits/{dtype}/{hd}"] = [[None, merge_spec(dtype, hd).name]]
+            for key, rule_list in rule_specs(dtype, hd, arch).items():
+                named = [[bound, spec.name] for bound, spec in rule_list]
+                rules_out[key] = [rule for rule, after in zip(named, named[1:] + [None])
+                                  if after is None or after[1] != rule[1]]
     constants = {"block_m": BLOCK_M, "tree_block_m_narrow": TREE_BLOCK_MS[0],
                  "tree_block_m_wide": TREE_BLOCK_MS[1], "merge_block_s": MERGE_BLOCK_S,
                  "append_block": APPEND_BLOCK, "min_tokens_per_split": MIN_TOKENS_PER_SPLIT,
                  "max_splits": MAX_SPLITS}
-    return {"rules": rules, "constants": constants}
+    return {"rules": rules_out, "constants": constants}

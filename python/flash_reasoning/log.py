@@ -46,39 +46,18 @@ def enabled() -> bool:
     return logger.isEnabledFor(logging.DEBUG)
 
 
-def config_chosen(kernel: str, rule: str, config: tuple[int, int, int], arch: str | None,
-                  head_dim: int, max_tokens: int | None, block_m: int = dispatch.BLOCK_M,
-                  few_programs: bool = False, given: bool = False) -> None:
-    """One debug record: ``kernel``'s (BLOCK_N, warps, stages) ``config`` as ``rule``
-    (the dispatch function) chose it from these inputs, and the reason."""
+def config_chosen(kernel: str, config: tuple[int, int, int], dtype: str, arch: str | None,
+                  head_dim: int, max_tokens: int | None, block_m: int | None = None,
+                  given: bool = False) -> None:
+    """One debug record: ``kernel``'s (BLOCK_N, warps, stages) ``config`` for programs of at
+    most ``max_tokens`` tokens, and which rule gave it (``dispatch.config_reason``)."""
     block_n, warps, stages = config
-    inputs = f"head_dim={head_dim}, max_tokens={max_tokens}"
-    inputs += f", block_m={block_m}" if block_m != dispatch.BLOCK_M else ""
-    inputs += ", few_programs=True" if few_programs else ""
+    inputs = f"{dtype}, head_dim={head_dim}, max_tokens={max_tokens}"
+    inputs += f", block_m={block_m}" if block_m is not None else ""
     reason = "given by the caller" if given else \
-        config_reason(config, head_dim, block_m, max_tokens, few_programs)
-    logger.debug("%s (%s): %s(%s) -> BLOCK_N %d, %d warps, %d stages (%s)", kernel, arch, rule,
-                 inputs, block_n, warps, stages, reason)
-
-
-def config_reason(config: tuple[int, int, int], head_dim: int, block_m: int,
-                  max_tokens: int | None, few_programs: bool) -> str:
-    """Which of dispatch's rules gives ``config``, in the order dispatch tries them (named
-    from its constants, so a changed bound shows here); "no rule" when none does, e.g. a
-    config from a tuning table."""
-    if head_dim == 256:
-        return "head_dim 256: its measured config"
-    if block_m != dispatch.BLOCK_M:
-        return f"wide tile ({block_m} rows): long shared ranges, deep pipeline"
-    if few_programs and config == dispatch.FEW_PROGRAMS_CONFIG:
-        return "few programs (split): a deeper pipeline hides their latency"
-    for bound, short in dispatch.SHORT_RANGE_CONFIGS:
-        if max_tokens is not None and max_tokens <= bound:
-            return f"range <= {bound} tokens" if config == short else "no rule"
-    if config == dispatch.LONG_RANGE_CONFIG:
-        longest = dispatch.SHORT_RANGE_CONFIGS[-1][0]
-        return "range unknown: long" if max_tokens is None else f"range > {longest} tokens"
-    return "no rule"
+        dispatch.config_reason(kernel, dtype, head_dim, arch, max_tokens, block_m)
+    logger.debug("%s (%s): %s -> BLOCK_N %d, %d warps, %d stages (%s)", kernel, arch, inputs,
+                 block_n, warps, stages, reason)
 
 
 def splits_chosen(num_seqs: int, programs_per_seq: int, capacity: int, num_sms: int,

@@ -10,7 +10,7 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -92,6 +92,20 @@ def run(launches: Sequence[Launch], device: torch.device) -> None:
     stream = _current_raw_stream(device.index)
     for launch in launches:
         launcher.launch(launch.spec.name, launch.grid, [_raw(a) for a in launch.args], stream)
+
+
+def prepare(build: Callable[..., Sequence[Launch]], holes: Sequence[str], device: torch.device):
+    """The launches ``build`` returns, converted and checked once by the launcher of
+    ``device`` (a ``_launcher.PreparedLaunches``), for launches whose arguments stay fixed
+    but for a few pointers. ``build`` is called with one placeholder per name in ``holes``,
+    which it puts where that tensor goes; ``.run(pointers, stream)`` then fills them with
+    ``pointers`` (data pointers in the order of ``holes``), checks each (non-null, aligned)
+    and launches, without converting anything else again."""
+    from . import _launcher
+    launches = build(*(_launcher.Hole(i) for i in range(len(holes))))
+    specs = [(launch.spec.name, launch.grid, [_raw(a) for a in launch.args])
+             for launch in launches]  # _raw keeps the placeholders: they are not tensors
+    return _launcher_for(device.index).prepare(specs, list(holes))
 
 
 def _current_raw_stream(device_index: int) -> int:

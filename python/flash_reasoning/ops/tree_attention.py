@@ -19,11 +19,15 @@ import torch
 from .. import dispatch, log, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import Launch
-from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
+from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor, tensor_fits
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
 TABLE_HEADROOM_BLOCKS = 64
+
+#: The pointers each CUDA ``run`` passes to the plan's prepared launches, in this order; every
+#: other argument is the plan's own and fixed for its lifetime.
+PER_CALL_POINTERS = ("q", "k_pool", "v_pool", "out")
 
 
 class StalePlan(RuntimeError):
@@ -62,6 +66,7 @@ class TreeAttentionPlan:
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
         self.tree_version = allocator.tree_version
+        self._shape = torch.Size((self.branch_ids.size, self.num_qo_heads, self.head_dim))
         # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
         self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
@@ -82,6 +87,7 @@ class TreeAttentionPlan:
         self._table_version = None
         self.refresh()
         self._templates = self._launch_templates(tree.lengths) if self.arch else []
+        self._prepared = None  # the templates' launches, packed by the launcher on first run
 
     @property
     def num_branches(self) -> int:
@@ -112,17 +118,33 @@ class TreeAttentionPlan:
         self._validate(q, layer, out)
         self.refresh()
         out = torch.empty_like(q) if out is None else out
-        k_pool, v_pool = self.allocator.k_pools[layer], self.allocator.v_pools[layer]
         if q.is_cuda:
-            runtime.run(self.launches(q, k_pool, v_pool, out), q.device)
+            self._launch(q, layer, out)
         else:
-            torch_path.tree_attention(self.arrays, q, k_pool, v_pool, self.tables,
+            torch_path.tree_attention(self.arrays, q, self.allocator.k_pools[layer],
+                                      self.allocator.v_pools[layer], self.tables,
                                       self.lengths, self.sm_scale, out)
         return out
 
+    def _launch(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
+        """The plan's launches with this call's pointers on torch's current stream. They
+        are converted and checked once (on the first call): a call hands the launcher four
+        pointers, which it checks (non-null, aligned) before launching anything."""
+        if not self._templates:  # no branches: no work
+            return
+        prepared = self._prepared
+        if prepared is None:
+            prepared = self._prepared = runtime.prepare(self.launches, PER_CALL_POINTERS,
+                                                        q.device)
+        alloc = self.allocator
+        prepared.run((q.data_ptr(), alloc.k_pools[layer].data_ptr(),
+                      alloc.v_pools[layer].data_ptr(), out.data_ptr()),
+                     runtime._current_raw_stream(alloc.device.index))
+
     def launches(self, q, k_pool, v_pool, out) -> list[Launch]:
         """The partial launch of each tile size, then the final launch: the templates built
-        with the plan, completed with this call's tensors."""
+        with the plan, completed with this call's tensors (or, for ``run``'s prepared
+        launches, with placeholders for their pointers)."""
         return [Launch(spec, grid, (q, k_pool, v_pool) + middle + ((out,) if with_out else ())
                        + self._scalars) for spec, grid, middle, with_out in self._templates]
 
@@ -138,32 +160,28 @@ class TreeAttentionPlan:
                          self.allocator.block_size, self.tables.shape[1])
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch,
-                                        self._partial_config(block_m, records)),
+                                        self._config("tree_partial", dtype,
+                                                     _longest_item(records), block_m)),
              (records.shape[0], kv_heads, 1),
              (self.tables, self._order, items, self._entry_slot, self.partial_out,
               self.partial_lse), False)
             for (block_m, records), items in zip(self.arrays.items.items(), self._items)]
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
         final_tokens = int((lengths - self.arrays.final_start).max())
-        final_config = dispatch.decode_config(self.head_dim, self.arch, final_tokens)
-        if log.enabled():
-            log.config_chosen("tree_final", "decode_config", final_config, self.arch,
-                              self.head_dim, final_tokens)
+        final_config = self._config("tree_final", dtype, final_tokens)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
                           (self.tables, self.lengths, self._final_start, self._merge_ptr,
                            self.partial_out, self.partial_lse), True))
         return templates
 
-    def _partial_config(self, block_m: int, records: np.ndarray) -> tuple[int, int, int]:
-        """The config for these items: by their longest range (decode tile only)."""
-        fields = specializations.TREE_ITEM_FIELDS
-        lengths = records[:, fields.index("kv_end")] - records[:, fields.index("kv_start")]
-        max_tokens = int(lengths.max(initial=0))
-        config = dispatch.tree_partial_config(self.head_dim, block_m, self.arch, max_tokens)
+    def _config(self, kernel: str, dtype: str, max_tokens: int,
+                block_m: int | None = None) -> tuple[int, int, int]:
+        """The dispatch rules' config for ``kernel``'s programs of at most ``max_tokens``."""
+        config = dispatch.config_for(kernel, dtype, self.head_dim, self.arch, max_tokens, block_m)
         if log.enabled():
-            log.config_chosen("tree_partial", "tree_partial_config", config, self.arch,
-                              self.head_dim, max_tokens, block_m)
+            log.config_chosen(kernel, config, dtype, self.arch, self.head_dim, max_tokens,
+                              block_m)
         return config
 
     def _upload_work_lists(self, device: torch.device) -> None:
@@ -177,7 +195,12 @@ class TreeAttentionPlan:
          *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
 
     def _validate(self, q, layer, out) -> None:
-        expected = (self.num_branches, self.num_qo_heads, self.head_dim)
+        alloc, shape = self.allocator, self._shape
+        if (tensor_fits(q, alloc.dtype, alloc.device, shape)
+                and (out is None or tensor_fits(out, alloc.dtype, alloc.device, shape))
+                and type(layer) is int and 0 <= layer < alloc.num_layers):
+            return  # every check below passes: skip building them one by one
+        expected = tuple(shape)
         for name, t in (("q", q), ("out", out)):
             if t is None:  # out only
                 continue
@@ -219,6 +242,13 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     out = plan.run(q, layer, out)
     _plans[allocator] = ((q.shape[1], sm_scale), plan)  # only a plan that ran is kept
     return out
+
+
+def _longest_item(records: np.ndarray) -> int:
+    """The most tokens one ``tree_partial`` work item walks."""
+    fields = specializations.TREE_ITEM_FIELDS
+    lengths = records[:, fields.index("kv_end")] - records[:, fields.index("kv_start")]
+    return int(lengths.max(initial=0))
 
 
 def _same_ids(plan: TreeAttentionPlan, ids: np.ndarray) -> bool:

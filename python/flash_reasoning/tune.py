@@ -1,0 +1,286 @@
+"""The tuner: ``python -m flash_reasoning.tune`` times every compiled candidate config of each
+kernel on a grid of workloads and writes the arch's tuning table (``tuning_table``).
+
+Workloads are what the kernels meet in use: the planner's own plans over two- and three-level
+trees (shared prefix length, branch count, leaf length, GQA group) and paged decodes (sequence
+count, length, group), for each dtype and head_dim. Every launch of a workload is timed alone
+(CUDA events, L2 flushed, median) with each candidate that is compiled for its rule list
+(``dispatch.RULE_LISTS``). A launch's *bucket* is the power of two nearest (in log scale) to the
+most tokens one of its programs walks; in each bucket the config with the lowest geometric mean
+of time over each workload's fastest wins (the least total time instead measured 0.5% slower
+on the benchmark, docs/perf.md), and each winner serves the lengths nearer to its bucket than
+to the next one. Rule lists with one compiled candidate keep their rules untimed.
+
+Candidates are what the artifacts hold: build with ``FLASH_REASONING_AOT_GRID=wide`` to measure
+the full candidate grid (``aot/grid.py``). ``--fixed N/W/S`` writes a table that pins one
+config wherever it is compiled (the benchmark compares the tuned table against each).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from . import __version__, dispatch, runtime, timing, tuning_table
+from .bench import case_allocator
+from .ops.paged_decode import decode_launches
+from .ops.tree_attention import TreeAttentionPlan, _longest_item
+from .specializations import DTYPES
+from .synthetic import paged_problem
+
+NUM_QO_HEADS = 32
+GROUPS = (1, 4, 8)
+#: Two-level trees: a shared prefix, then one leaf per branch.
+PREFIXES, BRANCHES, LEAVES = (256, 2048), (4, 32, 256), (8, 32, 128, 512)
+#: Three-level trees (nodes per level, tokens per level but the last), leaves of these lengths.
+DEEP_TREE, DEEP_LEAVES = ((1, 4, 64), (1024, 128)), (16, 64, 256)
+PAGED_SEQS, PAGED_LENGTHS = (1, 4, 16, 64, 256), (16, 64, 256, 1024, 4096, 16384)
+#: Paged workloads larger than this many tokens are skipped (memory and time).
+MAX_PAGED_TOKENS = 1 << 19
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed launch: rule list ``key``, its workload, bucket, config and median time."""
+    key: str
+    workload: str
+    max_tokens: int
+    config: tuple[int, int, int]
+    us: float
+
+    @property
+    def bucket(self) -> int:
+        return bucket_of(self.max_tokens)
+
+
+def bucket_of(max_tokens: int) -> int:
+    """The power of two nearest ``max_tokens`` in log scale (a range of 0 tokens: 1)."""
+    return 2 ** round(math.log2(max(max_tokens, 1)))
+
+
+def rules_from_winners(winners: dict[int, tuple[int, int, int]]) -> dict:
+    """Rules from each bucket's winner: a bucket serves lengths up to the geometric mean of it
+    and the next bucket (nearest in log scale); the last serves any length; neighbouring rules
+    with one config merge."""
+    buckets = sorted(winners)
+    bounds = [math.isqrt(a * b) for a, b in zip(buckets, buckets[1:])] + [None]
+    rules = [(bound, winners[b]) for bound, b in zip(bounds, buckets)]
+    return tuple(rule for rule, after in zip(rules, rules[1:] + [None])
+                 if after is None or after[1] != rule[1])
+
+
+def choose(samples: list[Sample]) -> dict[str, tuple]:
+    """Per rule list, its rules from the samples: each bucket's winner (:func:`_winner`)."""
+    by_key: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
+    for s in samples:
+        by_key[s.key][s.bucket].append(s)
+    return {key: rules_from_winners({bucket: _winner(group) for bucket, group in buckets.items()})
+            for key, buckets in by_key.items()}
+
+
+def _winner(samples: list[Sample]) -> tuple[int, int, int]:
+    """The config with the lowest geometric mean, over the bucket's workloads (each must have
+    run it), of its time over the workload's fastest."""
+    best = defaultdict(lambda: math.inf)
+    for s in samples:
+        best[s.workload] = min(best[s.workload], s.us)
+    ratios = defaultdict(list)
+    for s in samples:
+        ratios[s.config].append(math.log(s.us / best[s.workload]))
+    return min((c for c, r in ratios.items() if len(r) == len(best)),
+               key=lambda c: (statistics.fmean(ratios[c]), c))
+
+
+def compiled_configs(manifest: dict, key: str) -> list[tuple[int, int, int]]:
+    """The (BLOCK_N, warps, stages) configs compiled for rule list ``key``."""
+    kernel, dtype, head_dim, *block_m = key.split("/")
+    family = "paged_decode" if kernel.startswith("paged_decode") else kernel
+    wanted = {"dtype": dtype, "HEAD_DIM": int(head_dim)}
+    if family == "paged_decode":
+        wanted["SPLIT"] = int(kernel == "paged_decode_split")
+    wanted["BLOCK_M"] = int(block_m[0]) if block_m else dispatch.BLOCK_M
+    return sorted({(k["key"]["BLOCK_N"], k["num_warps"], k["num_stages"])
+                   for k in manifest["kernels"] if k["kernel"] == family
+                   and all(k["key"].get(name) == value for name, value in wanted.items())})
+
+
+class Tuner:
+    """Times candidates on one device; ``samples`` collects every timing."""
+
+    def __init__(self, device: torch.device, runs: int, log=print) -> None:
+        self.device = device
+        self.arch = runtime.arch_of(device.index)
+        self.num_sms = runtime.num_sms(device.index)
+        self.manifest = json.loads((runtime.artifact_root() / self.arch / "manifest.json")
+                                   .read_text())
+        self.runs = runs
+        self.log = log
+        self.samples: list[Sample] = []
+
+    def candidates(self, key: str) -> list[tuple[int, int, int]]:
+        configs = compiled_configs(self.manifest, key)
+        return configs if len(configs) > 1 else []  # one candidate: nothing to choose
+
+    def time_tree(self, dtype: str, head_dim: int, group: int, levels: tuple, leaf: int) -> None:
+        """Each launch of the planner's plan for a tree, with every candidate."""
+        keys = [dispatch.rule_key(k, dtype, head_dim, b) for k, b in dispatch.RULE_LISTS
+                if k.startswith("tree")]
+        if not any(self.candidates(key) for key in keys):
+            return
+        nodes, tokens = levels
+        case = {"nodes_per_level": list(nodes), "tokens_per_level": [*tokens, leaf],
+                "num_kv_heads": NUM_QO_HEADS // group, "head_dim": head_dim, "dtype": dtype}
+        alloc, leaves = case_allocator(case, "cuda", random=False)
+        plan = TreeAttentionPlan(alloc, leaves, NUM_QO_HEADS)
+        q = torch.randn(len(leaves), NUM_QO_HEADS, head_dim, device="cuda").to(alloc.dtype)
+        launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], torch.empty_like(q))
+        name = f"tree {nodes}x{[*tokens, leaf]} g{group} {dtype} d{head_dim}"
+        finals = plan.lengths.cpu().numpy() - plan.arrays.final_start
+        for launch in launches:
+            block_m = dict(launch.spec.constexprs)["BLOCK_M"]
+            if launch.spec.family == "tree_final":
+                key, tokens_ = dispatch.rule_key("tree_final", dtype, head_dim), int(finals.max())
+            else:
+                key = dispatch.rule_key("tree_partial", dtype, head_dim, block_m)
+                tokens_ = _longest_item(plan.arrays.items[block_m])
+            for config in self.candidates(key):
+                spec = dispatch.kernel_spec(launch.spec.family, dtype, head_dim, self.arch, config,
+                                            block_m if launch.spec.family == "tree_partial" else None)
+                timed = replace(launch, spec=spec)
+                self._sample(key, name, tokens_, config, lambda: runtime.run([timed], self.device))
+
+    def time_paged(self, dtype: str, head_dim: int, group: int, seqs: int, length: int) -> None:
+        """A paged decode (split when its programs are few) with every candidate."""
+        if not any(self.candidates(dispatch.rule_key(kernel, dtype, head_dim))
+                   for kernel in ("paged_decode", "paged_decode_split")):
+            return
+        p = paged_problem([length] * seqs, NUM_QO_HEADS, NUM_QO_HEADS // group, head_dim,
+                          dtype=getattr(torch, dtype), device="cuda")
+        out = torch.empty_like(p.q)
+        args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens, out, 0.1, self.arch,
+                self.num_sms)
+        first = decode_launches(*args)
+        split = len(first) > 1
+        key = dispatch.rule_key("paged_decode_split" if split else "paged_decode", dtype, head_dim)
+        splits = first[0].grid[2]
+        tokens = math.ceil(p.block_tables.shape[1] * p.k_pool.shape[1] / splits)
+        name = f"paged {seqs}x{length} g{group} {dtype} d{head_dim}"
+        for config in self.candidates(key):
+            launches = decode_launches(*args, num_splits=splits, config=config)
+            self._sample(key, name, tokens, config, lambda: runtime.run(launches, self.device))
+
+    def _sample(self, key, workload, max_tokens, config, fn) -> None:
+        us = timing.median_us(fn, runs=self.runs, warmup=2)
+        self.samples.append(Sample(key, workload, max_tokens, config, us))
+
+
+def workloads(dtypes, head_dims):
+    """(method name, args) of every workload of the grid."""
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for group in GROUPS:
+                for prefix in PREFIXES:
+                    for branches in BRANCHES:
+                        for leaf in LEAVES:
+                            yield "time_tree", (dtype, head_dim, group,
+                                                ((1, branches), (prefix,)), leaf)
+                for leaf in DEEP_LEAVES:
+                    yield "time_tree", (dtype, head_dim, group, DEEP_TREE, leaf)
+                for seqs in PAGED_SEQS:
+                    for length in PAGED_LENGTHS:
+                        if seqs * length <= MAX_PAGED_TOKENS:
+                            yield "time_paged", (dtype, head_dim, group, seqs, length)
+
+
+def fixed_rules(arch: str, config: tuple[int, int, int], manifest: dict) -> dict[str, tuple]:
+    """The current rules of ``arch`` with ``config`` pinned in every rule list compiling it."""
+    out = {}
+    for dtype in DTYPES:
+        for head_dim in dispatch.HEAD_DIMS:
+            for kernel, block_m in dispatch.RULE_LISTS:
+                key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
+                current = dispatch.rules(kernel, dtype, head_dim, arch, block_m)[0]
+                pinned = config in compiled_configs(manifest, key)
+                out[key] = ((None, config),) if pinned else current
+    return out
+
+
+def rechoose(raw: Path, out: Path | None) -> int:
+    """Write the table that :func:`choose` makes from a ``--raw`` file's timings."""
+    data = json.loads(Path(raw).read_text())
+    samples = [Sample(s["key"], s["workload"], s["max_tokens"], tuple(s["config"]), s["us"])
+               for s in data["samples"]]
+    arch = data["measured_on"]["arch"]
+    out = out or Path(f"tuning-{arch}.json")
+    tuning_table.write(out, arch, choose(samples), {**data["measured_on"],
+                                                    "timings": len(samples)})
+    print(f"wrote {out} from {len(samples)} timings of {raw}")
+    return 0
+
+
+def parse_config(text: str) -> tuple[int, int, int]:
+    try:
+        block_n, warps, stages = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BLOCK_N/WARPS/STAGES, e.g. 64/4/2, got "
+                                         f"{text!r}") from None
+    return block_n, warps, stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flash_reasoning.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="table to write (default tuning-<arch>.json)")
+    parser.add_argument("--raw", type=Path, help="also write every timing as JSON")
+    parser.add_argument("--runs", type=int, default=10, help="timed runs per candidate")
+    parser.add_argument("--dtypes", default=",".join(DTYPES))
+    parser.add_argument("--head-dims", default=",".join(map(str, dispatch.HEAD_DIMS)))
+    parser.add_argument("--fixed", type=parse_config, metavar="N/W/S",
+                        help="write a table pinning this config instead of measuring")
+    parser.add_argument("--from-raw", type=Path, metavar="RAW",
+                        help="choose again from a --raw file (no GPU needed)")
+    args = parser.parse_args(argv)
+    if args.from_raw:
+        return rechoose(args.from_raw, args.out)
+    device = runtime.require_cuda()
+    arch = runtime.arch_of(device.index)
+    out = args.out or Path(f"tuning-{arch}.json")
+    measured_on = {"arch": arch, "device": torch.cuda.get_device_name(device),
+                   "date": datetime.date.today().isoformat(), "flash_reasoning": __version__,
+                   "torch": torch.__version__}
+    if args.fixed:
+        manifest = json.loads((runtime.artifact_root() / arch / "manifest.json").read_text())
+        tuning_table.write(out, arch, fixed_rules(arch, args.fixed, manifest),
+                           {**measured_on, "fixed": list(args.fixed)})
+        print(f"wrote {out} (pinned {args.fixed})")
+        return 0
+    tuner = Tuner(device, args.runs)
+    grid = list(workloads(args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")]))
+    for i, (method, margs) in enumerate(grid):
+        getattr(tuner, method)(*margs)
+        print(f"\r{i + 1}/{len(grid)} workloads, {len(tuner.samples)} timings", end="",
+              file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    rules = choose(tuner.samples)
+    measured_on.update(runs=args.runs, workloads=len(grid), timings=len(tuner.samples))
+    tuning_table.write(out, arch, rules, measured_on)
+    for key, rule_list in sorted(rules.items()):
+        print(f"{key}: " + ", ".join(f"<= {b} {c}" if b else f"else {c}" for b, c in rule_list))
+    print(f"wrote {out}")
+    if args.raw:
+        args.raw.write_text(json.dumps({"measured_on": measured_on, "samples": [
+            {**s.__dict__, "bucket": s.bucket} for s in tuner.samples]}) + "\n")
+        print(f"wrote {args.raw}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

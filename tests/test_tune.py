@@ -1,0 +1,146 @@
+"""The tuner's choices from timings (pure), its table output, and its GPU run."""
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import gpu
+from flash_reasoning import dispatch, tune, tuning_table
+
+CONFIGS = [(16, 2, 1), (32, 2, 2), (64, 4, 2), (128, 8, 2)]
+
+
+@pytest.mark.parametrize("tokens, bucket", [(0, 1), (1, 1), (5, 4), (6, 8), (11, 8), (12, 16),
+                                            (64, 64), (90, 64), (91, 128), (2896, 2048), (2897, 4096)])
+def test_bucket_is_the_nearest_power_of_two_in_log_scale(tokens, bucket):
+    assert tune.bucket_of(tokens) == bucket
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 14).map(lambda e: 2 ** e), st.sampled_from(CONFIGS),
+                       min_size=1), st.integers(0, 40000))
+def test_rules_serve_each_length_with_its_nearest_buckets_winner(winners, tokens):
+    rules = tune.rules_from_winners(winners)
+    tuning_table._rule_list("rules", [[b, list(c)] for b, c in rules])  # a valid rule list
+    nearest = min(winners, key=lambda b: (abs(math.log(b) - math.log(max(tokens, 1))), b))
+    _, config = dispatch.pick_rule(rules, tokens)
+    assert config == winners[nearest] or _tie(winners, tokens, config)
+
+
+def _tie(winners, tokens, config):
+    """At a geometric midpoint both neighbours are nearest; the rules give the lower one."""
+    distance = {b: abs(math.log(b) - math.log(max(tokens, 1))) for b in winners}
+    best = min(distance.values())
+    return any(winners[b] == config and math.isclose(d, best, rel_tol=1e-3, abs_tol=1e-3)
+               for b, d in distance.items())
+
+
+def sample(workload, tokens, config, us, key="tree_final/float16/128"):
+    return tune.Sample(key, workload, tokens, config, us)
+
+
+def test_each_bucket_takes_the_config_fastest_relative_to_each_workload():
+    samples = [  # bucket 64: (32,2,2) is 10% faster on a, 50% slower on b: (64,4,2) wins
+        sample("a", 60, (32, 2, 2), 10.0), sample("a", 60, (64, 4, 2), 11.0),
+        sample("b", 70, (32, 2, 2), 300.0), sample("b", 70, (64, 4, 2), 200.0),
+        sample("c", 1000, (32, 2, 2), 50.0), sample("c", 1000, (64, 4, 2), 40.0),
+        sample("d", 8, (32, 2, 2), 5.0), sample("d", 8, (64, 4, 2), 6.0)]
+    rules = tune.choose(samples)["tree_final/float16/128"]
+    assert rules == ((22, (32, 2, 2)), (None, (64, 4, 2)))
+
+
+def test_many_short_workloads_outvote_one_long_one():
+    samples = [sample(w, 64, (32, 2, 2), 10.0) for w in "abc"] + \
+        [sample(w, 64, (64, 4, 2), 11.0) for w in "abc"] + \
+        [sample("long", 64, (32, 2, 2), 300.0), sample("long", 64, (64, 4, 2), 280.0)]
+    assert tune.choose(samples)["tree_final/float16/128"] == ((None, (32, 2, 2)),)
+
+
+def test_the_table_can_be_chosen_again_from_raw_timings(tmp_path):
+    samples = [sample("a", 8, (16, 2, 1), 5.0), sample("a", 8, (64, 4, 2), 7.0),
+               sample("b", 512, (16, 2, 1), 90.0), sample("b", 512, (64, 4, 2), 60.0)]
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"measured_on": {"arch": "sm90", "device": "x"},
+                               "samples": [s.__dict__ for s in samples]}))
+    assert tune.main(["--from-raw", str(raw), "--out", str(tmp_path / "t.json")]) == 0
+    table = tuning_table.read(tmp_path / "t.json")
+    assert table.rules == {"tree_final/float16/128": ((64, (16, 2, 1)), (None, (64, 4, 2)))}
+    assert table.measured_on["timings"] == 4
+
+
+def test_a_config_missing_from_one_workload_of_a_bucket_cannot_win():
+    samples = [sample("a", 64, (32, 2, 2), 10.0), sample("a", 64, (64, 4, 2), 11.0),
+               sample("b", 64, (64, 4, 2), 20.0)]
+    assert tune.choose(samples)["tree_final/float16/128"] == ((None, (64, 4, 2)),)
+
+
+def fake_manifest():
+    def entry(kernel, n, w, s, **key):
+        return {"kernel": kernel, "num_warps": w, "num_stages": s,
+                "key": {"dtype": "float16", "HEAD_DIM": 128, "BLOCK_N": n, **key}}
+    return {"kernels": [
+        entry("paged_decode", 64, 4, 2, BLOCK_M=16, SPLIT=0),
+        entry("paged_decode", 32, 2, 2, BLOCK_M=16, SPLIT=0),
+        entry("paged_decode", 64, 4, 3, BLOCK_M=16, SPLIT=1),
+        entry("tree_partial", 64, 4, 3, BLOCK_M=64), entry("tree_partial", 32, 2, 2, BLOCK_M=16),
+        entry("tree_final", 32, 2, 2, BLOCK_M=16)]}
+
+
+def test_compiled_configs_match_the_rule_lists_kernel_exactly():
+    manifest = fake_manifest()
+    assert tune.compiled_configs(manifest, "paged_decode/float16/128") == [(32, 2, 2), (64, 4, 2)]
+    assert tune.compiled_configs(manifest, "paged_decode_split/float16/128") == [(64, 4, 3)]
+    assert tune.compiled_configs(manifest, "tree_partial/float16/128/64") == [(64, 4, 3)]
+    assert tune.compiled_configs(manifest, "tree_partial/float16/128/16") == [(32, 2, 2)]
+    assert tune.compiled_configs(manifest, "tree_final/bfloat16/128") == []
+
+
+def test_fixed_rules_pin_the_config_where_compiled_and_keep_the_rest():
+    dispatch.reset()
+    rules = tune.fixed_rules("sm90", (32, 2, 2), fake_manifest())
+    assert rules["paged_decode/float16/128"] == ((None, (32, 2, 2)),)
+    assert rules["tree_final/float16/128"] == ((None, (32, 2, 2)),)
+    assert rules["tree_partial/float16/128/64"] == dispatch.rules(
+        "tree_partial", "float16", 128, "sm90", 64)[0]
+
+
+def test_written_tables_read_back(tmp_path):
+    rules = {"tree_final/float16/128": ((22, (16, 2, 1)), (None, (64, 4, 2)))}
+    tuning_table.write(tmp_path / "t.json", "sm90", rules, {"device": "x"})
+    table = tuning_table.read(tmp_path / "t.json")
+    assert table.rules == rules and table.arch == "sm90"
+    assert json.loads((tmp_path / "t.json").read_text())["measured_on"] == {"device": "x"}
+
+
+@pytest.mark.parametrize("text", ["64/4", "a/b/c", "64-4-2"])
+def test_a_bad_fixed_config_is_an_argparse_error(text):
+    with pytest.raises(SystemExit):
+        tune.main(["--fixed", text])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_without_a_gpu_the_tuner_says_so():
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        tune.main(["--fixed", "64/4/2"])
+
+
+@gpu
+def test_a_short_tuning_run_writes_a_table_dispatch_accepts(tmp_path, monkeypatch):
+    monkeypatch.setattr(tune, "PREFIXES", (256,))
+    monkeypatch.setattr(tune, "BRANCHES", (4, 32))
+    monkeypatch.setattr(tune, "LEAVES", (8, 128))
+    monkeypatch.setattr(tune, "GROUPS", (4,))
+    monkeypatch.setattr(tune, "PAGED_SEQS", (4,))
+    monkeypatch.setattr(tune, "PAGED_LENGTHS", (1024,))
+    out = tmp_path / "table.json"
+    assert tune.main(["--out", str(out), "--runs", "3", "--dtypes", "float16",
+                      "--head-dims", "128", "--raw", str(tmp_path / "raw.json")]) == 0
+    table = tuning_table.read(out)
+    compiled = json.loads((tune.runtime.artifact_root() / table.arch / "manifest.json")
+                          .read_text())
+    for key, rule_list in table.rules.items():
+        assert {c for _, c in rule_list} <= set(tune.compiled_configs(compiled, key)), key
+    assert json.loads((tmp_path / "raw.json").read_text())["samples"]
