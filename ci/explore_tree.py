@@ -1,5 +1,5 @@
 """Sweep the tree planner's knobs on cases of the cases file: the data behind
-planner.MIN_CHUNK_TOKENS / WAVES / REREAD_WEIGHT (the kernels' configs are the tuner's:
+the planner's constants (csrc/core/planner.h: kMinChunkTokens, kWaves, kRereadWeight) (the kernels' configs are the tuner's:
 python -m flash_reasoning.tune). Run on a GPU."""
 import functools
 import sys

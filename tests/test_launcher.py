@@ -206,17 +206,16 @@ def test_bad_grid(launcher, grid):
 EMPTY = (0, 4, 1)  # a grid with a zero dimension: the launcher returns Ok without the driver
 
 
-def prepared(launcher, grids=(EMPTY, EMPTY), **kw):
+def prepared(launcher, grids=(EMPTY, EMPTY)):
     """Two launches of NAME: the first reads hole 0 ('q') as its 'q', the second hole 1 ('out')."""
     return launcher.prepare([(NAME, grids[0], [Hole(0), 3, 0.5]), (NAME, grids[1], [Hole(1), -2, 1.0])],
-                            ["q", "out"], **kw)
+                            ["q", "out"])
 
 
 def test_prepared_run_of_empty_launches(launcher):
     seq = prepared(launcher)
     assert seq.holes == ["q", "out"] and seq.num_launches == 0  # empty grids are dropped
     assert seq.run([0x1000, 0x2000], 0) is None and seq.run((16, 2**64 - 16), 7) is None
-    assert prepared(launcher, allow_null=[False, True]).run([16, 0], 0) is None
     assert prepared(launcher, grids=(EMPTY, (2, 3, 1))).num_launches == 1
 
 
@@ -258,7 +257,6 @@ def test_prepare_rejects_bad_launches(launcher, launches, fragments):
 
 def test_prepare_rejects_bad_holes(launcher):
     raises(lambda: Hole(-1), "hole index must be >= 0, got -1")
-    raises(lambda: prepared(launcher, allow_null=[True]), "allow_null has 1 entries for 2 holes")
     many = [f"p{i}" for i in range(65)]
     raises(lambda: launcher.prepare([(NAME, EMPTY, [Hole(64), 1, 1.0])], many), "at most 64 pointers, got 65")
     assert repr(Hole(3)) == "Hole(3)" and Hole(3).index == 3

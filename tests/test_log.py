@@ -82,11 +82,28 @@ def test_a_given_config_is_not_explained_by_a_rule(caplog):
     assert messages(caplog, "paged_decode")[-1].endswith("(given by the caller)")
 
 
-def test_silent_and_unasked_by_default(caplog):
-    caplog.set_level(logging.WARNING, logger="flash_reasoning")
+def test_silent_and_unasked_by_default(caplog, monkeypatch):
+    """Below debug level no record is made, and no reason is even built (the call sites
+    test ``enabled()`` first)."""
+    caplog.set_level(logging.INFO, logger="flash_reasoning")
+
+    def must_not_run(*args):
+        raise AssertionError("a debug reason was built while debug is off")
+    monkeypatch.setattr(dispatch, "config_reason", must_not_run)
     seed_plan()
+    p = paged_problem([64], 8, 2, head_dim=64)
+    decode_launches(p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens, p.q.clone(), 0.1,
+                    arch="sm90", num_sms=132)
     assert not log.enabled()
     assert not caplog.records
+
+
+def test_the_level_is_off_in_a_fresh_process_without_the_variable():
+    env = {k: v for k, v in os.environ.items() if k != log.ENV_VAR}
+    code = "from flash_reasoning import log; print(log.enabled(), log.logger.level)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env)
+    assert result.stdout.split() == ["False", "0"], result.stderr
 
 
 @pytest.mark.parametrize("value, level", [("debug", logging.DEBUG), ("INFO", logging.INFO),

@@ -111,9 +111,22 @@ def test_item_fields_match_the_core():
     assert tuple(_launcher.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
 
 
-def test_plan_overflow_is_a_value_error():
+def test_heads_not_a_multiple_is_a_value_error():
     alloc = PhysicalKVAllocator(10, 4, 1, 8, device="cpu")
     ids = [alloc.alloc_branch(4).branch_id]
     tree = alloc.segment_tree(ids)
     with pytest.raises(ValueError, match="num_qo_heads"):
         planner.plan(tree, planner.Shape(3, 2, 8, 2, 132))
+
+
+def test_partials_past_int32_indexing_are_a_value_error():
+    """A computed root's two partials of 2**30 heads each: one past the kernels' int32 index
+    (2**29 heads still plans)."""
+    alloc = PhysicalKVAllocator(40, 4, 1, 8, device="cpu")
+    root = alloc.alloc_branch(64).branch_id
+    ids = [alloc.alloc_branch(65, parent_branch_id=root, fork_position=64).branch_id
+           for _ in range(2)]
+    tree = alloc.segment_tree(ids)
+    assert planner.plan(tree, planner.Shape(2**29, 2**29, 8, 2, 132)).num_entries == 2
+    with pytest.raises(ValueError, match="the plan needs 2 partials of 1073741824 heads"):
+        planner.plan(tree, planner.Shape(2**30, 2**30, 8, 2, 132))

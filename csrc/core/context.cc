@@ -7,6 +7,14 @@
 #include "version.h"
 
 namespace flash_reasoning {
+
+Status check_pointers(std::initializer_list<std::pair<const char*, const void*>> pointers) {
+  for (const auto& p : pointers)
+    if (!p.second || reinterpret_cast<uintptr_t>(p.second) % kPointerAlign)
+      return Status::Error(Code::kInvalidArgument, std::string(p.first) + " must be a non-NULL, " +
+                                                       std::to_string(kPointerAlign) + "-byte aligned device pointer");
+  return Status::Ok();
+}
 namespace {
 
 constexpr int kHostOnlySms = 132;  // an H100's: plans made without a device look like its plans

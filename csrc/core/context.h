@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "driver.h"
 #include "launcher.h"
@@ -23,6 +24,9 @@ struct NamedArg {
 };
 
 inline Arg pointer_arg(const void* p) { return Arg::UInt(reinterpret_cast<uintptr_t>(p)); }
+
+// kInvalidArgument naming the first of `pointers` that is NULL or not kPointerAlign-aligned.
+Status check_pointers(std::initializer_list<std::pair<const char*, const void*>> pointers);
 
 class Context {
  public:

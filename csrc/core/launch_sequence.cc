@@ -21,7 +21,7 @@ Status invalid(const std::string& message) { return Status::Error(Code::kInvalid
 }  // namespace
 
 Status LaunchSequence::prepare(Launcher* launcher, const std::vector<SequenceLaunch>& launches,
-                               std::vector<HoleInfo> holes, std::unique_ptr<LaunchSequence>* out) {
+                               std::vector<std::string> holes, std::unique_ptr<LaunchSequence>* out) {
   if (holes.size() > kMaxHoles)
     return invalid("a prepared sequence takes at most " + std::to_string(kMaxHoles) + " pointers, got " +
                    std::to_string(holes.size()));
@@ -84,7 +84,7 @@ Status LaunchSequence::check_arg(const KernelInfo& k, size_t i, const SequenceAr
 Status LaunchSequence::check_count(size_t num_pointers) const {
   if (num_pointers == holes_.size()) return Status::Ok();
   std::string names;
-  for (const HoleInfo& h : holes_) names += (names.empty() ? "" : ", ") + h.name;
+  for (const std::string& h : holes_) names += (names.empty() ? "" : ", ") + h;
   return invalid("the prepared launches take " + std::to_string(holes_.size()) + " pointers (" + names + "), got " +
                  std::to_string(num_pointers));
 }
@@ -103,12 +103,10 @@ Status LaunchSequence::run(const uint64_t* pointers, size_t num_pointers, CUstre
 }
 
 Status LaunchSequence::check_pointer(size_t hole, uint64_t value) const {
-  const HoleInfo& h = holes_[hole];
-  bool allowed = value != 0 || h.allow_null;
-  if (allowed && value % kPointerAlign == 0) return Status::Ok();
-  std::string what = "pointer " + std::to_string(hole) + " ('" + h.name + "'" +
+  if (value != 0 && value % kPointerAlign == 0) return Status::Ok();
+  std::string what = "pointer " + std::to_string(hole) + " ('" + holes_[hole] + "'" +
                      (first_use_[hole].empty() ? "" : ", passed as " + first_use_[hole]) + ")";
-  if (!allowed) return invalid(what + " is null");
+  if (value == 0) return invalid(what + " is null");
   return invalid(what + " is " + hex(value) + ", not " + std::to_string(kPointerAlign) +
                  "-byte aligned (the kernels assume it)");
 }

@@ -16,8 +16,6 @@
 
 namespace flash_reasoning {
 
-// Pointer alignment the kernels were compiled for (tt.divisibility 16 on every pointer).
-constexpr uint64_t kPointerAlign = 16;
 // Upper bound on the pointers one run supplies: lets a front end convert them on the stack.
 constexpr size_t kMaxHoles = 64;
 
@@ -37,28 +35,23 @@ struct SequenceLaunch {
   std::vector<SequenceArg> args;
 };
 
-// A per-run pointer; `name` is what errors call it.
-struct HoleInfo {
-  std::string name;
-  bool allow_null = false;
-};
-
 class LaunchSequence {
  public:
   // Makes every check Launcher::launch makes (kernel, argument count and types, grid) and also:
   // each hole index names one of `holes` and fills a pointer parameter; each fixed non-null
   // pointer is aligned. Errors say which launch of the sequence failed. `launcher` must outlive
   // the sequence.
-  static Status prepare(Launcher* launcher, const std::vector<SequenceLaunch>& launches, std::vector<HoleInfo> holes,
-                        std::unique_ptr<LaunchSequence>* out);
+  // `holes` names the per-run pointers, for errors.
+  static Status prepare(Launcher* launcher, const std::vector<SequenceLaunch>& launches,
+                        std::vector<std::string> holes, std::unique_ptr<LaunchSequence>* out);
 
-  // Checks the pointers (count; each non-null unless allowed, and aligned) before launching
+  // Checks the pointers (count; each non-null and aligned) before launching
   // anything, then launches each non-empty launch in order on `stream`.
   Status run(const uint64_t* pointers, size_t num_pointers, CUstream stream) const;
   // run's count check alone, for a front end that converts the pointers first.
   Status check_count(size_t num_pointers) const;
 
-  const std::vector<HoleInfo>& holes() const { return holes_; }
+  const std::vector<std::string>& holes() const { return holes_; }
   size_t num_launches() const { return steps_.size(); }  // launches with work (empty grids dropped)
 
  private:
@@ -70,14 +63,14 @@ class LaunchSequence {
     std::vector<std::pair<size_t, int>> fills;
   };
 
-  LaunchSequence(Launcher* launcher, std::vector<HoleInfo> holes)
+  LaunchSequence(Launcher* launcher, std::vector<std::string> holes)
       : launcher_(launcher), holes_(std::move(holes)), first_use_(holes_.size()) {}
   Status add(const SequenceLaunch& launch);
   Status check_arg(const KernelInfo& k, size_t i, const SequenceArg& a, const uint64_t* slots) const;
   Status check_pointer(size_t hole, uint64_t value) const;
 
   Launcher* launcher_;
-  std::vector<HoleInfo> holes_;
+  std::vector<std::string> holes_;
   std::vector<std::string> first_use_;  // per hole: the first parameter it fills, for run's errors
   std::vector<Step> steps_;
 };

@@ -30,6 +30,9 @@ struct Arg {
   static Arg Of(Kind k) { Arg a; a.kind = k; a.u = 0; return a; }  // kTooLarge / kNotANumber
 };
 
+// Pointer alignment the kernels were compiled for (tt.divisibility 16 on every pointer).
+constexpr uint64_t kPointerAlign = 16;
+
 class Launcher {
  public:
   // Parses <arch_dir>/manifest.json; needs no driver. `device` is used only when a launching

@@ -173,8 +173,8 @@ Status DispatchTable::pick(const std::string& key, int64_t max_tokens, int* kern
                                                              : "head_dim or dtype not built for this arch") + ")");
   for (const DispatchRule& r : it->second)
     if (r.max_tokens < 0 || max_tokens <= r.max_tokens) { *kernel = r.kernel; return Status::Ok(); }
-  *kernel = it->second.back().kernel;  // unreachable: parsing requires a final rule for any length
-  return Status::Ok();
+  // Parsing requires a final rule for any length, so only a table built in memory gets here.
+  return Status::Error(Code::kInvalidManifest, "the rules for " + key + " end without a rule for any length");
 }
 
 Status DispatchTable::constant(const std::string& name, int64_t* value) const {

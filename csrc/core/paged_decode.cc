@@ -4,10 +4,11 @@
 #include <climits>
 #include <string>
 
+#include "int_math.h"
+
 namespace flash_reasoning {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct Split {
   int64_t splits = 1;
@@ -32,14 +33,7 @@ Status plan_split(const Context& ctx, const AttentionShape& s, int64_t num_seqs,
   return Status::Ok();
 }
 
-size_t lse_offset(const Split& split) { return (split.partial_out_bytes + 255) / 256 * 256; }
-
-Status check_pointers(std::initializer_list<std::pair<const char*, const void*>> pointers) {
-  for (const auto& p : pointers)
-    if (!p.second || reinterpret_cast<uintptr_t>(p.second) % 16)
-      return Status::Error(Code::kInvalidArgument, std::string(p.first) + " must be a non-NULL, 16-byte aligned device pointer");
-  return Status::Ok();
-}
+size_t lse_offset(const Split& split) { return align_up(split.partial_out_bytes, 256); }
 
 }  // namespace
 

@@ -3,10 +3,11 @@
 #include <algorithm>
 #include <string>
 
+#include "int_math.h"
+
 namespace flash_reasoning {
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Round half to even of x >= 0, as numpy's rint (no libm: the C library links only libc).
 int64_t round_half_even(double x) {

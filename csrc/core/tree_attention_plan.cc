@@ -3,14 +3,14 @@
 #include <algorithm>
 #include <climits>
 
+#include "int_math.h"
+
 namespace flash_reasoning {
 namespace {
 
 constexpr size_t kRegionAlign = 256;
 enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kFirstItems = 4 };
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 Status mismatch(const std::string& why) {
   return Status::Error(Code::kPlanMismatch, why + ": the plan no longer describes the tree; create a new plan");
@@ -177,11 +177,7 @@ Status TreeAttentionPlan::allocate_and_upload() {
 Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream) {
   Status st = ctx_.require_device("frPlanRun");
   if (!st.ok()) return st;
-  const void* pointers[] = {q, k_pool, v_pool, out};
-  const char* names[] = {"q", "k_pool", "v_pool", "out"};
-  for (int i = 0; i < 4; ++i)
-    if (!pointers[i] || reinterpret_cast<uintptr_t>(pointers[i]) % 16)
-      return Status::Error(Code::kInvalidArgument, std::string(names[i]) + " must be a non-NULL, 16-byte aligned device pointer");
+  if (!(st = check_pointers({{"q", q}, {"k_pool", k_pool}, {"v_pool", v_pool}, {"out", out}})).ok()) return st;
   if (!num_branches()) return Status::Ok();
   auto work = [&](size_t list) { return pointer_arg(reinterpret_cast<void*>(d_work_ + 4 * work_offset_[list])); };
   auto device = [](CUdeviceptr p) { return pointer_arg(reinterpret_cast<void*>(p)); };

@@ -103,18 +103,12 @@ fr::SequenceLaunch to_sequence_launch(const fr::Launcher& l, py::handle launch, 
 }
 
 std::unique_ptr<fr::LaunchSequence> prepare(fr::Launcher& l, const py::sequence& launches,
-                                            const std::vector<std::string>& holes,
-                                            const std::vector<bool>& allow_null) {
-  if (!allow_null.empty() && allow_null.size() != holes.size())
-    raise(invalid("allow_null has " + std::to_string(allow_null.size()) + " entries for " +
-                  std::to_string(holes.size()) + " holes"));
-  std::vector<fr::HoleInfo> infos;
-  for (size_t i = 0; i < holes.size(); ++i) infos.push_back({holes[i], !allow_null.empty() && allow_null[i]});
+                                            const std::vector<std::string>& holes) {
   std::vector<fr::SequenceLaunch> converted;
   for (size_t i = 0; i < launches.size(); ++i)
     converted.push_back(to_sequence_launch(l, launches[i], i, launches.size()));
   std::unique_ptr<fr::LaunchSequence> seq;
-  check(fr::LaunchSequence::prepare(&l, converted, std::move(infos), &seq));
+  check(fr::LaunchSequence::prepare(&l, converted, holes, &seq));
   return seq;
 }
 
@@ -133,7 +127,7 @@ void run_sequence(const fr::LaunchSequence& s, py::handle pointers, uintptr_t st
     values[i] = PyLong_AsUnsignedLongLong(items[i]);  // ints only: TypeError for anything else
     if (values[i] == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
       PyErr_Clear();
-      raise(invalid("pointer " + std::to_string(i) + " ('" + s.holes()[i].name +
+      raise(invalid("pointer " + std::to_string(i) + " ('" + s.holes()[i] +
                     "') must be an int in [0, 2**64), got " + py::repr(items[i]).cast<std::string>()));
     }
   }
@@ -312,9 +306,6 @@ PYBIND11_MODULE(_launcher, m) {
         py::arg("reread_weight") = fr::kRereadWeight, "The tree-attention plan of a SegmentTree (a dict of arrays).");
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;
-  m.attr("MIN_CHUNK_TOKENS") = fr::kMinChunkTokens;
-  m.attr("WAVES") = fr::kWaves;
-  m.attr("CHUNK_ALIGN") = fr::kChunkAlign;
 
   py::class_<fr::Launcher>(m, "Launcher", "The kernels of one arch folder (<artifact_root>/<arch>).")
       .def(py::init([](const py::object& arch_dir, int device) {
@@ -353,11 +344,9 @@ PYBIND11_MODULE(_launcher, m) {
       .def("params", &params, py::arg("name"), "(name, type) of the caller-supplied params (scratch excluded).")
       .def("launch", &launch, py::arg("name"), py::arg("grid"), py::arg("args"), py::arg("stream"),
            "Launch kernel `name` on `stream` (a CUstream as int; 0 = default stream). Asynchronous.")
-      .def("prepare", &prepare, py::arg("launches"), py::arg("holes"), py::arg("allow_null") = std::vector<bool>(),
-           py::keep_alive<0, 1>(),
+      .def("prepare", &prepare, py::arg("launches"), py::arg("holes"), py::keep_alive<0, 1>(),
            "Check and pack launches, each (name, grid, args), once: a Hole(i) in args stands for the pointer "
-           "that each run supplies as pointers[i], named holes[i] in errors (null only where allow_null[i]). "
-           "Returns PreparedLaunches.");
+           "that each run supplies as pointers[i], named holes[i] in errors. Returns PreparedLaunches.");
 
   py::class_<Hole>(m, "Hole", "In Launcher.prepare's args: the pointer each run supplies as pointers[index].")
       .def(py::init([](int index) {
@@ -371,14 +360,9 @@ PYBIND11_MODULE(_launcher, m) {
   py::class_<fr::LaunchSequence>(m, "PreparedLaunches",
                                  "Launches checked and packed once (Launcher.prepare); run fills the holes.")
       .def("run", &run_sequence, py::arg("pointers"), py::arg("stream"),
-           "Check the pointers (one per hole: non-null unless allowed, 16-byte aligned), then launch each "
+           "Check the pointers (one per hole: non-null, 16-byte aligned), then launch each "
            "launch with a non-empty grid on `stream` (a CUstream as int). Asynchronous; allocates nothing.")
-      .def_property_readonly("holes",
-                             [](const fr::LaunchSequence& s) {
-                               std::vector<std::string> names;
-                               for (const auto& h : s.holes()) names.push_back(h.name);
-                               return names;
-                             })
+      .def_property_readonly("holes", &fr::LaunchSequence::holes)
       .def_property_readonly("num_launches", &fr::LaunchSequence::num_launches,
                              "Launches with work (those with an empty grid are dropped).");
 }

@@ -10,6 +10,7 @@ import functools
 import math
 
 from . import tuning_table
+from .tuning_table import Config, Rules
 from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
                               TREE_PARTIAL, Spec, make_spec)
 
@@ -24,16 +25,15 @@ MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
-Config = tuple[int, int, int]
-#: ``((max_tokens or None, config), ...)``: the first rule whose bound is at least a call's
-#: longest range (tokens one program walks) gives its (BLOCK_N, num_warps, num_stages); bounds
-#: ascend and the last is ``None`` (any length). The manifest exports the same lists.
-Rules = tuple[tuple[int | None, Config], ...]
-
-#: The kernels that pick a config by rules: ``paged_decode`` (one program per sequence and GQA
-#: tile), ``paged_decode_split`` (a split decode: few programs), ``tree_final`` and
-#: ``tree_partial`` (a rule list per query-row tile).
-RULE_KERNELS = ("paged_decode", "paged_decode_split", "tree_final", "tree_partial")
+#: Query-row tiles of ``tree_partial``: a node's (branch, head) rows fill tiles of one size.
+TREE_BLOCK_MS = (16, 64)
+#: (kernel, block_m) of every rule list of one dtype and head_dim: ``paged_decode`` (one
+#: program per sequence and GQA tile), ``paged_decode_split`` (a split decode: few programs),
+#: ``tree_final`` and ``tree_partial`` (a list per query-row tile). A rule list
+#: (``tuning_table.Rules``) gives a config by the most tokens one program walks; the manifest
+#: exports the same lists.
+RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None)) + \
+    tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
 #: this many tokens: a short range is mostly fixed cost, so small tiles that let many programs
@@ -70,8 +70,9 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
 def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None) -> str:
     """The name of a rule list, in tuning tables and the manifest: ``tree_final/float16/128``,
     ``tree_partial/float16/128/64``."""
-    if kernel not in RULE_KERNELS:
-        raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {RULE_KERNELS}")
+    known = tuple(dict.fromkeys(k for k, _ in RULE_LISTS))
+    if kernel not in known:
+        raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {known}")
     key = f"{kernel}/{dtype}/{head_dim}"
     return key if kernel != "tree_partial" else f"{key}/{block_m}"
 
@@ -165,16 +166,6 @@ def append_spec() -> Spec:
     return make_spec(APPEND_KV, None, 4, 1, BLOCK=APPEND_BLOCK)
 
 
-#: Query-row tiles of ``tree_partial``: a node's (branch, head) rows fill tiles of one size.
-TREE_BLOCK_MS = (16, 64)
-
-
-def tree_block_m(flat_rows: int) -> int:
-    """The ``tree_partial`` tile for a node with this many (branch, query head) rows: the
-    decode tile when they fit in it, else the wide tile (fewer re-reads of the node's KV)."""
-    return TREE_BLOCK_MS[0] if flat_rows <= TREE_BLOCK_MS[0] else TREE_BLOCK_MS[1]
-
-
 @functools.lru_cache(maxsize=None)
 def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
                       config: Config | None = None) -> Spec:
@@ -200,17 +191,12 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
                 block_m: int | None = None) -> Spec:
-    """The spec of a rule list's kernel (:data:`RULE_KERNELS`) at ``config``."""
+    """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``."""
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config)
     if kernel == "tree_final":
         return tree_final_spec(dtype, head_dim, arch, config)
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config)
-
-
-#: (kernel, block_m) of every rule list of one dtype and head_dim.
-RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None)) + \
-    tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 
 
 def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple[int | None, Spec]]]:

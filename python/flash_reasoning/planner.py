@@ -24,13 +24,9 @@ import numpy as np
 from . import _launcher, dispatch
 from .tree import SegmentTree
 
-#: The cost model's constants (csrc/core/planner.h): re-read KV of a folded node costs this
-#: fraction of an HBM byte (most re-reads hit L2); chunks are at least MIN_CHUNK_TOKENS long,
-#: aim at WAVES programs per SM and start on multiples of CHUNK_ALIGN.
+#: The cost model's weight (csrc/core/planner.h, with its chunking constants): re-read KV of
+#: a folded node costs this fraction of an HBM byte (most re-reads hit L2).
 REREAD_WEIGHT = _launcher.REREAD_WEIGHT
-MIN_CHUNK_TOKENS = _launcher.MIN_CHUNK_TOKENS
-WAVES = _launcher.WAVES
-CHUNK_ALIGN = _launcher.CHUNK_ALIGN
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ import torch
 from . import __version__, dispatch, runtime, timing, tuning_table
 from .bench import case_allocator
 from .ops.paged_decode import decode_launches
-from .ops.tree_attention import TreeAttentionPlan, _longest_item
+from .ops.tree_attention import TreeAttentionPlan
 from .specializations import DTYPES
 from .synthetic import paged_problem
+from .tuning_table import Config, Rules
 
 NUM_QO_HEADS = 32
 GROUPS = (1, 4, 8)
@@ -53,7 +54,7 @@ class Sample:
     key: str
     workload: str
     max_tokens: int
-    config: tuple[int, int, int]
+    config: Config
     us: float
 
     @property
@@ -66,7 +67,7 @@ def bucket_of(max_tokens: int) -> int:
     return 2 ** round(math.log2(max(max_tokens, 1)))
 
 
-def rules_from_winners(winners: dict[int, tuple[int, int, int]]) -> dict:
+def rules_from_winners(winners: dict[int, Config]) -> Rules:
     """Rules from each bucket's winner: a bucket serves lengths up to the geometric mean of it
     and the next bucket (nearest in log scale); the last serves any length; neighbouring rules
     with one config merge."""
@@ -77,7 +78,7 @@ def rules_from_winners(winners: dict[int, tuple[int, int, int]]) -> dict:
                  if after is None or after[1] != rule[1])
 
 
-def choose(samples: list[Sample]) -> dict[str, tuple]:
+def choose(samples: list[Sample]) -> dict[str, Rules]:
     """Per rule list, its rules from the samples: each bucket's winner (:func:`_winner`)."""
     by_key: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
     for s in samples:
@@ -86,7 +87,7 @@ def choose(samples: list[Sample]) -> dict[str, tuple]:
             for key, buckets in by_key.items()}
 
 
-def _winner(samples: list[Sample]) -> tuple[int, int, int]:
+def _winner(samples: list[Sample]) -> Config:
     """The config with the lowest geometric mean, over the bucket's workloads (each must have
     run it), of its time over the workload's fastest."""
     best = defaultdict(lambda: math.inf)
@@ -99,7 +100,7 @@ def _winner(samples: list[Sample]) -> tuple[int, int, int]:
                key=lambda c: (statistics.fmean(ratios[c]), c))
 
 
-def compiled_configs(manifest: dict, key: str) -> list[tuple[int, int, int]]:
+def compiled_configs(manifest: dict, key: str) -> list[Config]:
     """The (BLOCK_N, warps, stages) configs compiled for rule list ``key``."""
     kernel, dtype, head_dim, *block_m = key.split("/")
     family = "paged_decode" if kernel.startswith("paged_decode") else kernel
@@ -115,17 +116,16 @@ def compiled_configs(manifest: dict, key: str) -> list[tuple[int, int, int]]:
 class Tuner:
     """Times candidates on one device; ``samples`` collects every timing."""
 
-    def __init__(self, device: torch.device, runs: int, log=print) -> None:
+    def __init__(self, device: torch.device, runs: int) -> None:
         self.device = device
         self.arch = runtime.arch_of(device.index)
         self.num_sms = runtime.num_sms(device.index)
         self.manifest = json.loads((runtime.artifact_root() / self.arch / "manifest.json")
                                    .read_text())
         self.runs = runs
-        self.log = log
         self.samples: list[Sample] = []
 
-    def candidates(self, key: str) -> list[tuple[int, int, int]]:
+    def candidates(self, key: str) -> list[Config]:
         configs = compiled_configs(self.manifest, key)
         return configs if len(configs) > 1 else []  # one candidate: nothing to choose
 
@@ -143,19 +143,15 @@ class Tuner:
         q = torch.randn(len(leaves), NUM_QO_HEADS, head_dim, device="cuda").to(alloc.dtype)
         launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], torch.empty_like(q))
         name = f"tree {nodes}x{[*tokens, leaf]} g{group} {dtype} d{head_dim}"
-        finals = plan.lengths.cpu().numpy() - plan.arrays.final_start
-        for launch in launches:
-            block_m = dict(launch.spec.constexprs)["BLOCK_M"]
-            if launch.spec.family == "tree_final":
-                key, tokens_ = dispatch.rule_key("tree_final", dtype, head_dim), int(finals.max())
-            else:
-                key = dispatch.rule_key("tree_partial", dtype, head_dim, block_m)
-                tokens_ = _longest_item(plan.arrays.items[block_m])
+        for launch, max_tokens in zip(launches, plan.launch_max_tokens):
+            kernel = launch.spec.family
+            block_m = dict(launch.spec.constexprs)["BLOCK_M"] if kernel == "tree_partial" else None
+            key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
             for config in self.candidates(key):
-                spec = dispatch.kernel_spec(launch.spec.family, dtype, head_dim, self.arch, config,
-                                            block_m if launch.spec.family == "tree_partial" else None)
+                spec = dispatch.kernel_spec(kernel, dtype, head_dim, self.arch, config, block_m)
                 timed = replace(launch, spec=spec)
-                self._sample(key, name, tokens_, config, lambda: runtime.run([timed], self.device))
+                self._sample(key, name, max_tokens, config,
+                             lambda: runtime.run([timed], self.device))
 
     def time_paged(self, dtype: str, head_dim: int, group: int, seqs: int, length: int) -> None:
         """A paged decode (split when its programs are few) with every candidate."""
@@ -200,7 +196,7 @@ def workloads(dtypes, head_dims):
                             yield "time_paged", (dtype, head_dim, group, seqs, length)
 
 
-def fixed_rules(arch: str, config: tuple[int, int, int], manifest: dict) -> dict[str, tuple]:
+def fixed_rules(arch: str, config: Config, manifest: dict) -> dict[str, Rules]:
     """The current rules of ``arch`` with ``config`` pinned in every rule list compiling it."""
     out = {}
     for dtype in DTYPES:
@@ -226,7 +222,7 @@ def rechoose(raw: Path, out: Path | None) -> int:
     return 0
 
 
-def parse_config(text: str) -> tuple[int, int, int]:
+def parse_config(text: str) -> Config:
     try:
         block_n, warps, stages = (int(x) for x in text.split("/"))
     except ValueError:

@@ -77,11 +77,3 @@ def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.d
                          f"assume it), got address {t.data_ptr():#x} (a view at an odd "
                          f"offset?); pass a copy")
 
-
-def tensor_fits(t, dtype: torch.dtype, device: torch.device, shape: tuple[int, ...]) -> bool:
-    """Whether :func:`check_tensor` accepts ``t`` and ``t`` has ``shape``, decided without
-    building any message: a per-call path tests this first and runs the full checks only
-    when it is False, to raise their error (so it must accept nothing they refuse)."""
-    return (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == shape
-            and t.device == device and t.is_contiguous()
-            and not (t.is_cuda and t.data_ptr() % POINTER_ALIGN))

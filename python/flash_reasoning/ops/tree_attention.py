@@ -19,7 +19,7 @@ import torch
 from .. import dispatch, log, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import Launch
-from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor, tensor_fits
+from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
@@ -66,7 +66,6 @@ class TreeAttentionPlan:
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
         self.tree_version = allocator.tree_version
-        self._shape = torch.Size((self.branch_ids.size, self.num_qo_heads, self.head_dim))
         # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
         self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
@@ -151,7 +150,9 @@ class TreeAttentionPlan:
     def _launch_templates(self, lengths: np.ndarray) -> list[tuple]:
         """(spec, grid, arguments after q/k_pool/v_pool, whether ``out`` follows) of each
         launch: everything but the per-call tensors is fixed when the plan is built (the
-        configs from the branches' ``lengths`` now)."""
+        configs from the branches' ``lengths`` now). Sets ``launch_max_tokens``: the most
+        tokens one program of each launch walks, what its config was picked by."""
+        self.launch_max_tokens = [_longest_item(records) for records in self.arrays.items.values()]
         if not self.num_branches:
             return []
         dtype = str(self.allocator.dtype).removeprefix("torch.")
@@ -160,14 +161,15 @@ class TreeAttentionPlan:
                          self.allocator.block_size, self.tables.shape[1])
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch,
-                                        self._config("tree_partial", dtype,
-                                                     _longest_item(records), block_m)),
+                                        self._config("tree_partial", dtype, tokens, block_m)),
              (records.shape[0], kv_heads, 1),
              (self.tables, self._order, items, self._entry_slot, self.partial_out,
               self.partial_lse), False)
-            for (block_m, records), items in zip(self.arrays.items.items(), self._items)]
+            for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
+                                                         self.launch_max_tokens)]
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
         final_tokens = int((lengths - self.arrays.final_start).max())
+        self.launch_max_tokens.append(final_tokens)
         final_config = self._config("tree_final", dtype, final_tokens)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
@@ -195,12 +197,7 @@ class TreeAttentionPlan:
          *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
 
     def _validate(self, q, layer, out) -> None:
-        alloc, shape = self.allocator, self._shape
-        if (tensor_fits(q, alloc.dtype, alloc.device, shape)
-                and (out is None or tensor_fits(out, alloc.dtype, alloc.device, shape))
-                and type(layer) is int and 0 <= layer < alloc.num_layers):
-            return  # every check below passes: skip building them one by one
-        expected = tuple(shape)
+        expected = (self.num_branches, self.num_qo_heads, self.head_dim)
         for name, t in (("q", q), ("out", out)):
             if t is None:  # out only
                 continue
