@@ -4,11 +4,15 @@ For every case of the bench (the seed's table and the cases file) and every conf
 for some rule list, ``tune.fixed_rules`` pins that config wherever it is compiled (through a
 ``FLASH_REASONING_TUNING`` table written here); the tuned run uses the table dispatch reads
 (``$FLASH_REASONING_TUNING`` when set, else the shipped one), and a run with an empty table
-shows the heuristics. Each plan's output is checked against the tuned one
-(poisoned first), then timed like the bench (CUDA events, L2 flushed, median). A case where a
-fixed config beats the tuned dispatch by more than ``--tolerance`` is listed.
+shows the heuristics. Each plan's output is checked against the tuned one (poisoned first),
+then timed like the bench (CUDA events, L2 flushed, median), the distinct plans interleaved;
+settings whose plans launch the same kernels share one timing. A case where a fixed config
+beats the tuned dispatch by more than ``--tolerance`` is listed. ``--table
+NAME=PATH`` adds a candidate table, compared with the fixed configs like the tuned one (say,
+tables chosen with other ``--bands`` from one ``--raw`` run).
 
-``python benchmarks/tuned_vs_fixed.py [--filter seed] [--runs 30] [--json out.json]``
+``python benchmarks/tuned_vs_fixed.py [--filter seed] [--runs 30] [--json out.json]
+[--table bands_2=t2.json ...]``
 (build with ``FLASH_REASONING_AOT_GRID=wide`` so every candidate is there to pin).
 """
 from __future__ import annotations
@@ -26,13 +30,13 @@ from flash_reasoning import TreeAttentionPlan, bench, dispatch, reference, runti
 from flash_reasoning import tuning_table
 
 
-def settings(arch: str, folder: Path) -> dict[str, Path | None]:
-    """``{"tuned": table or None, "heuristic": table, "64/4/2": table, ...}``: the table
-    dispatch reads now (``$FLASH_REASONING_TUNING`` or the shipped one), an empty table (the
-    heuristics everywhere) and one per compiled config."""
+def settings(arch: str, folder: Path, candidates: dict[str, Path]) -> dict[str, Path | None]:
+    """``{"tuned": table or None, **candidates, "heuristic": table, "64/4/2": table, ...}``:
+    the table dispatch reads now (``$FLASH_REASONING_TUNING`` or the shipped one), the
+    candidate tables, an empty table (the heuristics everywhere) and one per compiled config."""
     manifest = json.loads((runtime.artifact_root() / arch / "manifest.json").read_text())
     tuned = os.environ.get(tuning_table.ENV_VAR)
-    out: dict[str, Path | None] = {"tuned": Path(tuned) if tuned else None,
+    out: dict[str, Path | None] = {"tuned": Path(tuned) if tuned else None, **candidates,
                                    "heuristic": folder / "heuristic.json"}
     tuning_table.write(out["heuristic"], arch, {}, {"heuristic": True})
     configs = sorted({c for dtype in ("float16", "bfloat16") for hd in dispatch.HEAD_DIMS
@@ -55,11 +59,15 @@ def use(table: Path | None) -> None:
 
 
 def run_case(case: dict, tables: dict[str, Path | None], runs: int) -> dict[str, float]:
+    """Each setting's time on ``case``. Settings whose plans launch the same kernels share
+    one timing (a difference between them could only be noise); the distinct plans are
+    timed interleaved (``timing.median_us_each``)."""
     alloc, leaves = bench.case_allocator(case)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(len(leaves), case["num_qo_heads"], case["head_dim"], generator=gen)
     q = q.to(bench.dtype_of(case)).cuda()
-    times, expected = {}, None
+    buffer, expected = torch.empty_like(q), None
+    kernels_of, plans = {}, {}
     for name, table in tables.items():
         use(table)
         plan = TreeAttentionPlan(alloc, leaves, case["num_qo_heads"])
@@ -68,10 +76,37 @@ def run_case(case: dict, tables: dict[str, Path | None], runs: int) -> dict[str,
         error = reference.relative_error(out, expected)
         if not error <= 4e-3:  # each within 2e-3 of float64; NaN fails too
             raise AssertionError(f"{case['name']} {name}: error {error} against the tuned run")
-        buffer = torch.empty_like(q)
-        times[name] = timing.median_us(lambda: plan.run(q, 0, buffer), runs)
+        kernels = tuple(launch.spec.name for launch in plan.launches(
+            q, alloc.k_pools[0], alloc.v_pools[0], buffer))
+        kernels_of[name] = kernels
+        plans.setdefault(kernels, plan)
     use(tables["tuned"])
-    return times
+    times = timing.median_us_each({kernels: (lambda p=plan: p.run(q, 0, buffer))
+                                   for kernels, plan in plans.items()}, runs)
+    return {name: times[kernels] for name, kernels in kernels_of.items()}
+
+
+def named_table(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    tuning_table.read(Path(path))  # a bad table fails here, not halfway through the cases
+    return name, Path(path)
+
+
+def report(rows: list[dict], candidates: list[str], tolerance: float) -> None:
+    """Per candidate table: its geometric mean over each other setting, and the cases where a
+    fixed config beats it by more than ``tolerance``."""
+    for name in candidates:
+        others = [k for k in rows[0]["us"] if k != name]
+        ratios = {k: math.exp(sum(math.log(r["us"][name] / r["us"][k]) for r in rows) / len(rows))
+                  for k in others}
+        # Above 1: the candidate is slower than that setting on the geometric mean.
+        print(f"geomean {name} / other: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+        losses = [r["case"] for r in rows if r["us"][name] > (1 + tolerance) * min(
+            v for k, v in r["us"].items() if k not in candidates and k != "heuristic")]
+        print(f"{name} slower than the best fixed config by > {tolerance:.0%} on {len(losses)} "
+              f"of {len(rows)} cases{': ' + ', '.join(losses) if losses else ''}")
 
 
 def main() -> int:
@@ -82,35 +117,32 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.03,
                         help="a fixed config this much faster than tuned counts as a loss")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--table", type=named_table, action="append", default=[],
+                        metavar="NAME=PATH", help="another candidate table to compare")
     args = parser.parse_args()
+    candidates = dict(args.table)
     device = runtime.require_cuda()
     arch = runtime.arch_of(device.index)
     cases = [c for c in bench.table_cases(bench.load_cases(), cpu=False)
              if args.filter in c["name"]]
-    losses, rows = [], []
+    rows = []
     with tempfile.TemporaryDirectory() as folder:
-        tables = settings(arch, Path(folder))
-        print(f"{torch.cuda.get_device_name(device)} {arch}: tuned vs {len(tables) - 2} fixed "
+        tables = settings(arch, Path(folder), candidates)
+        fixed_names = [k for k in tables if k not in ("tuned", "heuristic", *candidates)]
+        print(f"{torch.cuda.get_device_name(device)} {arch}: tuned vs {len(fixed_names)} fixed "
               f"configs, {args.runs} runs")
         print(f"{'case':22} {'tuned us':>9} {'best fixed':>16} {'tuned/best':>10} "
               f"{'worst fixed':>17} {'heuristic':>9}")
         for case in cases:
             times = run_case(case, tables, args.runs)
-            fixed = {k: v for k, v in times.items() if k not in ("tuned", "heuristic")}
+            fixed = {k: times[k] for k in fixed_names}
             best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
             ratio = times["tuned"] / fixed[best]
             print(f"{case['name']:22} {times['tuned']:9.1f} {fixed[best]:8.1f} {best:>7} "
-                  f"{ratio:10.3f} {fixed[worst]:8.1f} {worst:>8} {times['heuristic']:9.1f}",
-                  flush=True)
+                  f"{ratio:10.3f} {fixed[worst]:8.1f} {worst:>8} {times['heuristic']:9.1f}" +
+                  "".join(f" {k} {times[k]:.1f}" for k in candidates), flush=True)
             rows.append({"case": case["name"], "us": times})
-            if ratio > 1 + args.tolerance:
-                losses.append(case["name"])
-    # Above 1: the tuned dispatch is slower than that setting on the geometric mean.
-    per_config = {k: math.exp(sum(math.log(r["us"]["tuned"] / r["us"][k]) for r in rows)
-                              / len(rows)) for k in tables if k != "tuned"}
-    print("geomean tuned / fixed: " + ", ".join(f"{k} {v:.3f}" for k, v in per_config.items()))
-    print(f"tuned slower than the best fixed config by > {args.tolerance:.0%} on "
-          f"{len(losses)} of {len(rows)} cases{': ' + ', '.join(losses) if losses else ''}")
+    report(rows, ["tuned", *candidates], args.tolerance)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(device),
                                          "arch": arch, "runs": args.runs, "rows": rows}) + "\n")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on a GPU machine (the device tool's H100): build for this GPU's arch only, run every
 # test (GPU tests included), then the benchmarks. Logs go to $OUT (or ./gpu-logs).
+# SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
@@ -15,7 +16,10 @@ if ! python3 -c "import cffi" 2>/dev/null && ls .whl/cffi-*.whl >/dev/null 2>&1;
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export FLASH_REASONING_ARCHS=$arch  # the build and the manifest tests cover this arch only
-step() { echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/$log"; return "${PIPESTATUS[0]}"; }
+step() {
+  case " ${SKIP:-} " in *" ${log%.log} "*) echo "== $1: skipped"; return 0 ;; esac
+  echo "== $1"; shift; "$@" 2>&1 | tee -a "$OUT/$log"; return "${PIPESTATUS[0]}"
+}
 status=0
 log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
@@ -38,7 +42,8 @@ log=example.log step "C++ example" bash -c 'python3 examples/cpp/make_reference.
     --device cuda && cmake -S examples/cpp -B build/example -DPython3_EXECUTABLE="$(command -v python3)" \
     >/dev/null && cmake --build build/example >/dev/null && build/example/tree_decode \
     python/flash_reasoning/_artifacts build/reference.bin' || status=1
-log=warmup.log step "zero warm-up" python3 benchmarks/warmup.py --json "$OUT/warmup.json" || status=1
+log=warmup.log step "zero warm-up" python3 benchmarks/warmup.py --json "$OUT/warmup.json" \
+    ${WARMUP_ARGS:-} || status=1
 log=launch.log step "launch overhead" python3 benchmarks/launch_overhead.py \
     --json "$OUT/launch_overhead.json" || status=1
 if [ -n "${EXPLORE_TREE:-}" ]; then

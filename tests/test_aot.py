@@ -1,6 +1,7 @@
 """The AOT artifacts: the installed manifests and cubins, and the build itself."""
 import hashlib
 import json
+import math
 import os
 import struct
 import subprocess
@@ -53,19 +54,29 @@ def test_every_spec_dispatch_can_ask_for_is_compiled(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_manifest_dispatch_rules_pick_what_python_picks(arch):
     """A C caller picks kernels by the manifest's exported rules (the launcher's pick is the
-    C ABI's lookup): for every range length it must get Python's kernel."""
+    C ABI's lookup): for every launch (range length, program count, unknowns included) it must
+    get Python's kernel, at each bound and just past it."""
     from flash_reasoning import _launcher
     launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
+    num_sms = 132
     for dtype in ("float16", "bfloat16"):
         for hd in dispatch.HEAD_DIMS:
             for kernel, block_m in dispatch.RULE_LISTS:
                 key = dispatch.rule_key(kernel, dtype, hd, block_m)
-                bounds = [b for b, _ in dispatch.rules(kernel, dtype, hd, arch, block_m)[0] if b]
-                for tokens in {1, 16, 17, 32, 33, 64, 65, 4096} | {b + d for b in bounds
-                                                                   for d in (0, 1)}:
-                    config = dispatch.config_for(kernel, dtype, hd, arch, tokens, block_m)
-                    assert launcher.pick(key, tokens) == dispatch.kernel_spec(
-                        kernel, dtype, hd, arch, config, block_m).name, (key, tokens)
+                rule_list = dispatch.rules(kernel, dtype, hd, arch, block_m)[0]
+                token_bounds = {b for _, b, _ in rule_list if b}
+                program_bounds = {math.floor(p * num_sms) for p, _, _ in rule_list if p}
+                for tokens in {None, 1, 16, 17, 4096} | {b + d for b in token_bounds
+                                                         for d in (0, 1)}:
+                    for programs in {None, 1, 8192} | {b + d for b in program_bounds
+                                                       for d in (0, 1)}:
+                        config = dispatch.config_for(kernel, dtype, hd, arch, tokens, block_m,
+                                                     programs, num_sms)
+                        picked = launcher.pick(key, -1 if tokens is None else tokens,
+                                               -1 if programs is None else programs, num_sms)
+                        assert picked == dispatch.kernel_spec(
+                            kernel, dtype, hd, arch, config, block_m).name, (key, tokens,
+                                                                             programs)
     assert _manifest(arch)["dispatch"]["constants"]["block_m"] == dispatch.BLOCK_M
     for seqs, programs, length in [(1, 8, 2048), (4, 16, 32768), (1, 2, 100), (64, 8, 4096),
                                    (3, 1, 700), (0, 8, 10)]:

@@ -1,13 +1,17 @@
 """dispatch: the rules (heuristic or from a tuning table) and the specs they can ask for."""
+import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flash_reasoning import dispatch, tuning_table
 from flash_reasoning.specializations import DTYPES
 
 ARCHS = ("sm80", "sm89", "sm90")
 LENGTHS = (None, 0, 1, 16, 17, 22, 23, 32, 33, 64, 65, 90, 91, 5000)
+PROGRAMS = (None, 1, 264, 265, 1056, 1057, 100000)  # around 2 and 8 per SM of 132
 
 
 @pytest.fixture
@@ -55,7 +59,7 @@ def test_heuristic_split_wide_tile_and_head_dim_256(no_tables):
 
 
 def test_a_table_replaces_the_heuristic_for_its_keys_only(override):
-    path = override({"tree_final/float16/128": ((22, (16, 2, 1)), (None, (128, 4, 2)))})
+    path = override({"tree_final/float16/128": ((None, 22, (16, 2, 1)), (None, None, (128, 4, 2)))})
     assert dispatch.config_for("tree_final", "float16", 128, "sm90", 22) == (16, 2, 1)
     assert dispatch.config_for("tree_final", "float16", 128, "sm90", 23) == (128, 4, 2)
     assert dispatch.config_for("tree_final", "float16", 128, "sm90", None) == (128, 4, 2)
@@ -68,7 +72,7 @@ def test_a_table_replaces_the_heuristic_for_its_keys_only(override):
 
 def test_an_override_for_another_arch_leaves_this_one_alone(override, monkeypatch, tmp_path):
     monkeypatch.setattr(tuning_table, "SHIPPED_DIR", tmp_path / "none")
-    override({"tree_final/float16/128": ((None, (128, 4, 2)),)}, arch="sm80")
+    override({"tree_final/float16/128": ((None, None, (128, 4, 2)),)}, arch="sm80")
     assert dispatch.config_for("tree_final", "float16", 128, "sm90", 100) == (64, 4, 2)
     assert dispatch.config_for("tree_final", "float16", 128, "sm80", 100) == (128, 4, 2)
 
@@ -79,9 +83,10 @@ def test_every_config_a_call_can_pick_is_required(arch):
     required = set(dispatch.required_specs(arch))
     for dtype in DTYPES:
         for head_dim in dispatch.HEAD_DIMS:
-            for tokens in LENGTHS:
+            for tokens, programs in itertools.product(LENGTHS, PROGRAMS):
                 for kernel, block_m in dispatch.RULE_LISTS:
-                    config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens, block_m)
+                    config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens, block_m,
+                                                 programs, 132)
                     assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
                                                 block_m) in required
             assert dispatch.decode_spec(dtype, head_dim, True, arch) in required
@@ -89,37 +94,83 @@ def test_every_config_a_call_can_pick_is_required(arch):
 
 
 def test_required_specs_follow_the_table(override):
-    override({"paged_decode/float16/64": ((None, (128, 8, 2)),)})
+    override({"paged_decode/float16/64": ((None, None, (128, 8, 2)),)})
     spec = dispatch.decode_spec("float16", 64, False, "sm90", (128, 8, 2))
     assert spec in dispatch.required_specs("sm90")
     rules = dispatch.dispatch_rules("sm90")["rules"]
-    assert rules["paged_decode/float16/64"] == [[None, spec.name]]
+    assert rules["paged_decode/float16/64"] == [[None, None, spec.name]]
 
 
-def test_exported_rules_drop_a_bound_where_the_next_rule_names_the_same_kernel(override):
-    override({"tree_final/float16/64": ((16, (64, 4, 2)), (90, (32, 2, 2)), (200, (32, 2, 2)),
-                                        (None, (64, 4, 2)))})
+def test_exported_rules_are_simplified(override):
+    override({"tree_final/float16/64": (
+        (2, 16, (64, 4, 2)), (2, 90, (32, 2, 2)), (2, 200, (32, 2, 2)), (2, None, (64, 4, 3)),
+        (8, 16, (64, 4, 2)), (8, None, (32, 2, 2)),  # the same as the next band
+        (None, 16, (64, 4, 2)), (None, None, (32, 2, 2)))})
     named = dispatch.dispatch_rules("sm90")["rules"]["tree_final/float16/64"]
-    assert [bound for bound, _ in named] == [16, 200, None]
-    assert named[0][1] == named[2][1] != named[1][1]
+    assert [rule[:2] for rule in named] == [[2, 16], [2, 200], [2, None], [None, 16],
+                                            [None, None]]
+    assert named[0][2] == named[3][2] != named[1][2] == named[4][2] != named[2][2]
+
+
+PICKS = st.sampled_from([(16, 2, 1), (32, 2, 2)])  # two: bands often repeat one another
+TOKEN_BOUNDS = (16, 64, 256)
+BANDS = (0.5, 1, 2, 4, 8)
+
+
+@st.composite
+def rule_lists(draw):
+    """Valid rule lists: ascending bands of ascending token bounds, each band's last open."""
+    rules = []
+    for band in sorted(draw(st.sets(st.sampled_from(BANDS), max_size=3))) + [None]:
+        bounds = sorted(draw(st.sets(st.sampled_from(TOKEN_BOUNDS), max_size=2)))
+        rules += [(band, b, draw(PICKS)) for b in bounds + [None]]
+    return tuple(rules)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rule_lists())
+def test_simplified_rules_pick_as_the_rules_do(rule_list):
+    tuning_table._rule_list("rules", [[p, b, list(c)] for p, b, c in rule_list])
+    simple = tuning_table.simplify(rule_list)
+    assert len(simple) <= len(rule_list)
+    for tokens in [None, 1] + [b + d for b in TOKEN_BOUNDS for d in (0, 1)]:
+        for programs in [None, 1] + [int(b * 132) + d for b in BANDS for d in (0, 1)]:
+            assert dispatch.pick_rule(simple, tokens, programs, 132)[2] == \
+                dispatch.pick_rule(rule_list, tokens, programs, 132)[2], (tokens, programs)
+
+
+def test_programs_per_sm_pick_the_band():
+    rule_list = ((1, None, (64, 4, 3)), (4, 64, (32, 4, 2)), (4, None, (64, 4, 2)),
+                 (None, None, (32, 2, 2)))
+    for programs, tokens, config in [(132, 5000, (64, 4, 3)), (133, 64, (32, 4, 2)),
+                                     (528, 65, (64, 4, 2)), (529, 8, (32, 2, 2)),
+                                     (None, 8, (32, 2, 2)), (1, None, (64, 4, 3)),
+                                     (200, None, (64, 4, 2))]:
+        assert dispatch.pick_rule(rule_list, tokens, programs, 132)[2] == config
+    assert dispatch.pick_rule(rule_list, 8, 100, None)[2] == (32, 2, 2)  # SMs unknown: many
 
 
 @pytest.mark.parametrize("rules, match", [
     ([], "non-empty list"),
-    ([[16, [16, 2, 1]]], "only the last null"),
-    ([[None, [16, 2, 1]], [None, [32, 2, 2]]], "only the last null"),
-    ([[32, [16, 2, 1]], [16, [16, 2, 1]], [None, [32, 2, 2]]], "ascending"),
-    ([[0, [16, 2, 1]], [None, [32, 2, 2]]], "ascending positive"),
-    ([[True, [16, 2, 1]], [None, [32, 2, 2]]], "ascending positive"),
-    ([[None, [24, 2, 1]]], "power of two"),
-    ([[None, [16, 2]]], "config must be"),
-    ([[None, [16, 0, 1]]], "config must be"),
-    ([[None, "16/2/1"]], "config must be"),
-    ([[None]], r"must be \[bound"),
+    ([[None, 16, [16, 2, 1]]], "end with a rule for any launch"),
+    ([[2, None, [16, 2, 1]]], "end with a rule for any launch"),
+    ([[None, None, [16, 2, 1]], [None, None, [32, 2, 2]]], "ascend"),
+    ([[None, 32, [16, 2, 1]], [None, 16, [16, 2, 1]], [None, None, [32, 2, 2]]], "ascend"),
+    ([[4, None, [16, 2, 1]], [2, None, [16, 2, 1]], [None, None, [32, 2, 2]]], "ascend"),
+    ([[None, 0, [16, 2, 1]], [None, None, [32, 2, 2]]], "positive"),
+    ([[0, None, [16, 2, 1]], [None, None, [32, 2, 2]]], "positive"),
+    ([[None, 1.5, [16, 2, 1]], [None, None, [32, 2, 2]]], "tokens an int"),
+    ([[None, True, [16, 2, 1]], [None, None, [32, 2, 2]]], "positive"),
+    ([[True, None, [16, 2, 1]], [None, None, [32, 2, 2]]], "positive"),
+    ([[None, None, [24, 2, 1]]], "power of two"),
+    ([[None, None, [16, 2]]], "config must be"),
+    ([[None, None, [16, 0, 1]]], "config must be"),
+    ([[None, None, "16/2/1"]], "config must be"),
+    ([[None, [16, 2, 1]]], r"must be \[max_programs_per_sm"),
 ])
 def test_a_bad_rule_list_is_rejected_naming_the_file(tmp_path, rules, match):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"schema": 1, "arch": "sm90", "rules": {"tree_final/float16/128":
+    path.write_text(json.dumps({"schema": 2, "arch": "sm90", "rules": {"tree_final/float16/128":
                                                                         rules}}))
     with pytest.raises(ValueError, match=match) as err:
         tuning_table.read(path)
@@ -127,8 +178,9 @@ def test_a_bad_rule_list_is_rejected_naming_the_file(tmp_path, rules, match):
 
 
 @pytest.mark.parametrize("text, match", [("{", "cannot read"), ("[]", "schema"),
-                                         ('{"schema": 2, "arch": "sm90", "rules": {}}', "schema"),
-                                         ('{"schema": 1, "arch": 90, "rules": {}}', "arch")])
+                                         ('{"schema": 1, "arch": "sm90", "rules": {}}',
+                                          "found schema 1"),
+                                         ('{"schema": 2, "arch": 90, "rules": {}}', "arch")])
 def test_a_file_that_is_no_table_is_rejected(tmp_path, text, match):
     path = tmp_path / "t.json"
     path.write_text(text)

@@ -144,6 +144,36 @@ def test_top_level_missing_field(tmp_path, field):
     raises(lambda: Launcher(folder, 0), f"'{field}'", "missing")
 
 
+def dispatch_section(rules):
+    return {"rules": {"tree_final/float16/128": rules}, "constants": {"block_m": 16}}
+
+
+def test_dispatch_rules_pick_by_programs_per_sm_then_tokens(tmp_path):
+    folder = write_arch(tmp_path, [kernel_entry(), kernel_entry("other")], dispatch=dispatch_section(
+        [[2, 64, NAME], [2, None, "other"], [None, None, NAME]]))
+    launcher = Launcher(folder, 0)
+
+    def pick(tokens, programs, num_sms=132):
+        return launcher.pick("tree_final/float16/128", tokens, programs, num_sms)
+    assert pick(64, 264) == NAME and pick(65, 264) == "other" and pick(65, 265) == NAME
+    assert pick(-1, 10) == "other"  # unknown length: long
+    assert pick(10, -1) == NAME and pick(10, 10, -1) == NAME  # unknown count: many
+    raises(lambda: launcher.pick("tree_final/float16/64", 1), "no compiled kernel serves")
+
+
+@pytest.mark.parametrize("rules, fragment", [
+    ([[None, NAME]], "must be [max_programs_per_sm or null, max_tokens or null, kernel name]"),
+    ([[0, None, NAME], [None, None, NAME]], "bounds positive"),
+    ([["2", None, NAME], [None, None, NAME]], "bounds positive"),
+    ([[None, -4, NAME], [None, None, NAME]], "bounds positive"),
+    ([[2, None, NAME]], "must end with a rule for any launch"),
+    ([[None, None, "missing"]], "names kernel 'missing'"),
+])
+def test_bad_dispatch_rules_are_refused(tmp_path, rules, fragment):
+    folder = write_arch(tmp_path, dispatch=dispatch_section(rules))
+    raises(lambda: Launcher(folder, 0), "dispatch.rules.tree_final/float16/128", fragment)
+
+
 @pytest.mark.parametrize("overrides, fragments", [
     ({"params": [{"name": "n", "type": "i33"}] + [{"name": n, "type": t} for n, t in SCRATCH]},
      ["kernels[0].params[0].type", "i33"]),

@@ -24,20 +24,25 @@ def messages(caplog, kernel):
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(kernel)]
 
 
-def expected_record(kernel, dtype, max_tokens, block_m=None, arch="sm90", head_dim=128):
+def expected_record(kernel, dtype, max_tokens, programs, block_m=None, arch="sm90",
+                    head_dim=128, num_sms=132):
     """The record dispatch's rules give (heuristic or shipped table alike)."""
-    n, w, s = dispatch.config_for(kernel, dtype, head_dim, arch, max_tokens, block_m)
-    inputs = f"{dtype}, head_dim={head_dim}, max_tokens={max_tokens}"
+    launch = (max_tokens, block_m, programs, num_sms)
+    n, w, s = dispatch.config_for(kernel, dtype, head_dim, arch, *launch)
+    inputs = f"{dtype}, head_dim={head_dim}, max_tokens={max_tokens}, programs={programs}, " \
+             f"num_sms={num_sms}"
     inputs += f", block_m={block_m}" if block_m else ""
-    reason = dispatch.config_reason(kernel, dtype, head_dim, arch, max_tokens, block_m)
+    reason = dispatch.config_reason(kernel, dtype, head_dim, arch, *launch)
     return f"{kernel} ({arch}): {inputs} -> BLOCK_N {n}, {w} warps, {s} stages ({reason})"
 
 
 def test_plan_logs_each_kernel_config_and_why(caplog):
     caplog.set_level(logging.DEBUG, logger="flash_reasoning")
     plan = seed_plan()
-    assert messages(caplog, "tree_final") == [expected_record("tree_final", "float16", 64)]
-    config = dispatch.config_for("tree_final", "float16", 128, "sm90", 64)
+    programs = 16 * 8  # branches x KV heads (a GQA group of 4 fits one tile)
+    assert messages(caplog, "tree_final") == [expected_record("tree_final", "float16", 64,
+                                                              programs)]
+    config = dispatch.config_for("tree_final", "float16", 128, "sm90", 64, None, programs, 132)
     assert plan._templates[-1][0] == dispatch.tree_final_spec("float16", 128, "sm90", config)
     partial = messages(caplog, "tree_partial")
     assert len(partial) == len(plan._templates) - 1
@@ -46,16 +51,20 @@ def test_plan_logs_each_kernel_config_and_why(caplog):
 
 def test_the_reason_names_the_rule_and_its_source(caplog, monkeypatch, tmp_path):
     path = tmp_path / "sm90.json"
-    tuning_table.write(path, "sm90", {"tree_final/float16/128": ((12, (16, 2, 1)),
-                                                                 (None, (64, 4, 2)))}, {})
+    tuning_table.write(path, "sm90", {"tree_final/float16/128": (
+        (1, 12, (16, 2, 1)), (1, None, (64, 4, 2)), (None, None, (128, 4, 2)))}, {})
     monkeypatch.setenv(tuning_table.ENV_VAR, str(path))
     dispatch.reset()
     try:
         caplog.set_level(logging.DEBUG, logger="flash_reasoning")
-        seed_plan(batch=4, prefix=32, leaf=8)
+        seed_plan(batch=4, prefix=32, leaf=8)  # 4 x 8 programs
         assert messages(caplog, "tree_final")[-1].endswith(
-            f"max_tokens=8 -> BLOCK_N 16, 2 warps, 1 stages ({tuning_table.ENV_VAR}={path}: "
-            "range <= 12 tokens)")
+            f"max_tokens=8, programs=32, num_sms=132 -> BLOCK_N 16, 2 warps, 1 stages "
+            f"({tuning_table.ENV_VAR}={path}: programs <= 1 per SM, range <= 12 tokens)")
+        seed_plan(batch=32, prefix=32, leaf=8)  # 256 programs: more than one per SM
+        assert messages(caplog, "tree_final")[-1].endswith(
+            f"BLOCK_N 128, 4 warps, 2 stages ({tuning_table.ENV_VAR}={path}: programs > 1 "
+            "per SM)")
     finally:
         monkeypatch.delenv(tuning_table.ENV_VAR)
         dispatch.reset()
@@ -70,8 +79,9 @@ def test_paged_decode_logs_splits_and_config(caplog, num_splits, reason):
                     arch="sm90", num_sms=132, num_splits=num_splits)
     splits, config = messages(caplog, "paged_decode")
     assert reason in splits
-    tokens = -(-2048 // (num_splits or dispatch.num_splits(2, 2, 2048, 132)))
-    assert config == expected_record("paged_decode_split", "float16", tokens)
+    splits = num_splits or dispatch.num_splits(2, 2, 2048, 132)
+    tokens = -(-2048 // splits)
+    assert config == expected_record("paged_decode_split", "float16", tokens, 2 * 2 * splits)
 
 
 def test_a_given_config_is_not_explained_by_a_rule(caplog):

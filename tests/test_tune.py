@@ -1,6 +1,7 @@
 """The tuner's choices from timings (pure), its table output, and its GPU run."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,10 +24,10 @@ def test_bucket_is_the_nearest_power_of_two_in_log_scale(tokens, bucket):
 @given(st.dictionaries(st.integers(0, 14).map(lambda e: 2 ** e), st.sampled_from(CONFIGS),
                        min_size=1), st.integers(0, 40000))
 def test_rules_serve_each_length_with_its_nearest_buckets_winner(winners, tokens):
-    rules = tune.rules_from_winners(winners)
-    tuning_table._rule_list("rules", [[b, list(c)] for b, c in rules])  # a valid rule list
+    rules = tune.band_rules(None, winners)
+    tuning_table._rule_list("rules", [[p, b, list(c)] for p, b, c in rules])  # valid
     nearest = min(winners, key=lambda b: (abs(math.log(b) - math.log(max(tokens, 1))), b))
-    _, config = dispatch.pick_rule(rules, tokens)
+    config = dispatch.pick_rule(rules, tokens)[2]
     assert config == winners[nearest] or _tie(winners, tokens, config)
 
 
@@ -38,8 +39,12 @@ def _tie(winners, tokens, config):
                for b, d in distance.items())
 
 
-def sample(workload, tokens, config, us, key="tree_final/float16/128"):
-    return tune.Sample(key, workload, tokens, config, us)
+def sample(workload, tokens, config, us, key="tree_final/float16/128", programs=64):
+    return tune.Sample(key, workload, tokens, programs, config, us)
+
+
+def choose(samples, bands=()):
+    return tune.choose(samples, 132, bands)
 
 
 def test_each_bucket_takes_the_config_fastest_relative_to_each_workload():
@@ -48,33 +53,71 @@ def test_each_bucket_takes_the_config_fastest_relative_to_each_workload():
         sample("b", 70, (32, 2, 2), 300.0), sample("b", 70, (64, 4, 2), 200.0),
         sample("c", 1000, (32, 2, 2), 50.0), sample("c", 1000, (64, 4, 2), 40.0),
         sample("d", 8, (32, 2, 2), 5.0), sample("d", 8, (64, 4, 2), 6.0)]
-    rules = tune.choose(samples)["tree_final/float16/128"]
-    assert rules == ((22, (32, 2, 2)), (None, (64, 4, 2)))
+    rules = choose(samples)["tree_final/float16/128"]
+    assert rules == ((None, 22, (32, 2, 2)), (None, None, (64, 4, 2)))
 
 
 def test_many_short_workloads_outvote_one_long_one():
     samples = [sample(w, 64, (32, 2, 2), 10.0) for w in "abc"] + \
         [sample(w, 64, (64, 4, 2), 11.0) for w in "abc"] + \
         [sample("long", 64, (32, 2, 2), 300.0), sample("long", 64, (64, 4, 2), 280.0)]
-    assert tune.choose(samples)["tree_final/float16/128"] == ((None, (32, 2, 2)),)
+    assert choose(samples)["tree_final/float16/128"] == ((None, None, (32, 2, 2)),)
+
+
+def test_each_band_of_programs_per_sm_takes_its_own_winners():
+    few = [sample("few", 128, (64, 4, 3), 10.0, programs=128),
+           sample("few", 128, (32, 2, 2), 13.0, programs=128)]
+    many = [sample("many", 128, (64, 4, 3), 60.0, programs=8192),
+            sample("many", 128, (32, 2, 2), 50.0, programs=8192)]
+    assert choose(few + many, bands=(2, 8))["tree_final/float16/128"] == \
+        ((2, None, (64, 4, 3)), (None, None, (32, 2, 2)))
+    # One band: the geometric mean of both workloads' ratios picks one config for all.
+    assert choose(few + many)["tree_final/float16/128"] == ((None, None, (64, 4, 3)),)
+    # The last band measured serves any count; bands with one winner merge.
+    assert choose(few, bands=(2, 8))["tree_final/float16/128"] == ((None, None, (64, 4, 3)),)
+    assert choose(few + [replace(s, config=c) for s, c in zip(many, [(32, 2, 2), (64, 4, 3)])],
+                  bands=(2, 8))["tree_final/float16/128"] == ((None, None, (64, 4, 3)),)
+
+
+def test_a_launch_at_a_band_edge_belongs_to_that_band():
+    edge = sample("a", 8, (16, 2, 1), 1.0, programs=264)
+    assert edge.band(132, (2, 8)) == 2 and replace(edge, programs=265).band(132, (2, 8)) == 8
+    assert replace(edge, programs=1057).band(132, (2, 8)) is None
 
 
 def test_the_table_can_be_chosen_again_from_raw_timings(tmp_path):
     samples = [sample("a", 8, (16, 2, 1), 5.0), sample("a", 8, (64, 4, 2), 7.0),
-               sample("b", 512, (16, 2, 1), 90.0), sample("b", 512, (64, 4, 2), 60.0)]
+               sample("b", 512, (16, 2, 1), 90.0), sample("b", 512, (64, 4, 2), 60.0),
+               sample("c", 8, (16, 2, 1), 9.0, programs=4000),
+               sample("c", 8, (64, 4, 2), 7.0, programs=4000)]
     raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"measured_on": {"arch": "sm90", "device": "x"},
+    raw.write_text(json.dumps({"measured_on": {"arch": "sm90", "device": "x", "num_sms": 132},
                                "samples": [s.__dict__ for s in samples]}))
-    assert tune.main(["--from-raw", str(raw), "--out", str(tmp_path / "t.json")]) == 0
+    assert tune.main(["--from-raw", str(raw), "--out", str(tmp_path / "t.json"),
+                      "--bands", "2,8"]) == 0
     table = tuning_table.read(tmp_path / "t.json")
-    assert table.rules == {"tree_final/float16/128": ((64, (16, 2, 1)), (None, (64, 4, 2)))}
-    assert table.measured_on["timings"] == 4
+    assert table.rules == {"tree_final/float16/128": (
+        (2, 64, (16, 2, 1)), (2, None, (64, 4, 2)), (None, None, (64, 4, 2)))}
+    assert table.measured_on["timings"] == 6 and table.measured_on["bands"] == [2, 8]
+
+
+def test_raw_timings_without_program_counts_are_refused(tmp_path):
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"measured_on": {"arch": "sm90"}, "samples": []}))
+    with pytest.raises(SystemExit, match="without program counts"):
+        tune.main(["--from-raw", str(raw)])
+
+
+@pytest.mark.parametrize("text", ["2,a", "8,2", "0,4", "2,2", "-1"])
+def test_bad_bands_are_an_argparse_error(text):
+    with pytest.raises(SystemExit):
+        tune.main(["--from-raw", "unused.json", "--bands", text])
 
 
 def test_a_config_missing_from_one_workload_of_a_bucket_cannot_win():
     samples = [sample("a", 64, (32, 2, 2), 10.0), sample("a", 64, (64, 4, 2), 11.0),
                sample("b", 64, (64, 4, 2), 20.0)]
-    assert tune.choose(samples)["tree_final/float16/128"] == ((None, (64, 4, 2)),)
+    assert choose(samples)["tree_final/float16/128"] == ((None, None, (64, 4, 2)),)
 
 
 def fake_manifest():
@@ -101,14 +144,15 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
 def test_fixed_rules_pin_the_config_where_compiled_and_keep_the_rest():
     dispatch.reset()
     rules = tune.fixed_rules("sm90", (32, 2, 2), fake_manifest())
-    assert rules["paged_decode/float16/128"] == ((None, (32, 2, 2)),)
-    assert rules["tree_final/float16/128"] == ((None, (32, 2, 2)),)
+    assert rules["paged_decode/float16/128"] == ((None, None, (32, 2, 2)),)
+    assert rules["tree_final/float16/128"] == ((None, None, (32, 2, 2)),)
     assert rules["tree_partial/float16/128/64"] == dispatch.rules(
         "tree_partial", "float16", 128, "sm90", 64)[0]
 
 
 def test_written_tables_read_back(tmp_path):
-    rules = {"tree_final/float16/128": ((22, (16, 2, 1)), (None, (64, 4, 2)))}
+    rules = {"tree_final/float16/128": ((0.5, 22, (16, 2, 1)), (0.5, None, (64, 4, 2)),
+                                        (None, None, (32, 2, 2)))}
     tuning_table.write(tmp_path / "t.json", "sm90", rules, {"device": "x"})
     table = tuning_table.read(tmp_path / "t.json")
     assert table.rules == rules and table.arch == "sm90"
@@ -142,5 +186,6 @@ def test_a_short_tuning_run_writes_a_table_dispatch_accepts(tmp_path, monkeypatc
     compiled = json.loads((tune.runtime.artifact_root() / table.arch / "manifest.json")
                           .read_text())
     for key, rule_list in table.rules.items():
-        assert {c for _, c in rule_list} <= set(tune.compiled_configs(compiled, key)), key
-    assert json.loads((tmp_path / "raw.json").read_text())["samples"]
+        assert {c for _, _, c in rule_list} <= set(tune.compiled_configs(compiled, key)), key
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert raw["samples"] and all(s["programs"] > 0 for s in raw["samples"])

@@ -67,8 +67,8 @@ Status Context::require_device(const char* what) const {
                        std::string(what) + " needs a GPU: this context was created host-only (for planning)");
 }
 
-Status Context::pick(const std::string& rule_key, int64_t max_tokens, int* kernel) const {
-  Status st = rules().pick(rule_key, max_tokens, kernel);
+Status Context::pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const {
+  Status st = rules().pick(rule_key, max_tokens, programs, num_sms(), kernel);
   if (st.code == Code::kNotFound) st.code = Code::kUnsupported;
   return st;
 }

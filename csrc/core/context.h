@@ -43,8 +43,9 @@ class Context {
 
   // kDriverUnavailable, naming `what`, on a host-only context.
   Status require_device(const char* what) const;
-  // The kernel the rules pick for `rule_key` and ranges of at most `max_tokens`.
-  Status pick(const std::string& rule_key, int64_t max_tokens, int* kernel) const;
+  // The kernel the rules pick for `rule_key` and a launch of `programs` programs on this
+  // device, each walking at most `max_tokens` tokens (-1: unknown, served as many and long).
+  Status pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const;
   const KernelInfo& kernel(int index) const { return launcher_->manifest().kernels[index]; }
   Status launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
                 CUstream stream);

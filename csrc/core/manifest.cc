@@ -120,22 +120,34 @@ Status parse_kernel(const Validator& v, const JsonValue& obj, const std::string&
   return parse_params(v, obj, where, k);
 }
 
-// One rule list: [[max_tokens or null, kernel name], ...], names resolved to indices.
+// A rule's bound: a positive number, or null for any (-1).
+bool parse_bound(const JsonValue& value, double* bound) {
+  if (value.kind == JsonValue::Kind::kNull) { *bound = -1; return true; }
+  *bound = value.is_number() ? value.number : 0;
+  return value.is_number() && value.number > 0;
+}
+
+// One rule list: [[max_programs_per_sm or null, max_tokens or null, kernel name], ...], names
+// resolved to indices; it must end with a rule for any launch.
 Status parse_rules(const Validator& v, const JsonValue& list, const std::string& where,
                    const std::unordered_map<std::string, int>& index, std::vector<DispatchRule>* out) {
   if (!list.is_array() || list.items.empty()) return v.error(where, "must be a non-empty array");
   for (size_t i = 0; i < list.items.size(); ++i) {
     const JsonValue& rule = list.items[i];
     std::string at = where + "[" + std::to_string(i) + "]";
-    if (!rule.is_array() || rule.items.size() != 2 || !rule.items[1].is_string() ||
-        !(rule.items[0].is_number() || rule.items[0].kind == JsonValue::Kind::kNull))
-      return v.error(at, "must be [max_tokens or null, kernel name]");
-    auto it = index.find(rule.items[1].string);
-    if (it == index.end()) return v.error(at, "names kernel '" + rule.items[1].string + "', not in the manifest");
-    int64_t bound = rule.items[0].is_number() ? int64_t(rule.items[0].number) : -1;
-    out->push_back({bound, it->second});
+    DispatchRule parsed;
+    double tokens = -1;
+    if (!rule.is_array() || rule.items.size() != 3 || !rule.items[2].is_string() ||
+        !parse_bound(rule.items[0], &parsed.max_programs_per_sm) || !parse_bound(rule.items[1], &tokens))
+      return v.error(at, "must be [max_programs_per_sm or null, max_tokens or null, kernel name], bounds positive");
+    auto it = index.find(rule.items[2].string);
+    if (it == index.end()) return v.error(at, "names kernel '" + rule.items[2].string + "', not in the manifest");
+    parsed.max_tokens = tokens < 0 ? -1 : int64_t(tokens);
+    parsed.kernel = it->second;
+    out->push_back(parsed);
   }
-  if (out->back().max_tokens != -1) return v.error(where, "must end with a rule for any length (null)");
+  if (out->back().max_tokens != -1 || out->back().max_programs_per_sm != -1)
+    return v.error(where, "must end with a rule for any launch ([null, null, kernel])");
   return Status::Ok();
 }
 
@@ -165,16 +177,23 @@ Status parse_dispatch(const Validator& v, const JsonValue& root, const std::vect
 
 }  // namespace
 
-Status DispatchTable::pick(const std::string& key, int64_t max_tokens, int* kernel) const {
+bool DispatchRule::serves(int64_t max_tokens, int64_t programs, int64_t num_sms) const {
+  bool few_enough = max_programs_per_sm < 0 ||
+                    (programs >= 0 && num_sms > 0 && double(programs) <= max_programs_per_sm * double(num_sms));
+  return few_enough && (this->max_tokens < 0 || (max_tokens >= 0 && max_tokens <= this->max_tokens));
+}
+
+Status DispatchTable::pick(const std::string& key, int64_t max_tokens, int64_t programs, int64_t num_sms,
+                           int* kernel) const {
   auto it = rules.find(key);
   if (it == rules.end())
     return Status::Error(Code::kNotFound, "no compiled kernel serves " + key + " (" +
                                               (rules.empty() ? "the manifest has no dispatch rules: rebuild it"
                                                              : "head_dim or dtype not built for this arch") + ")");
   for (const DispatchRule& r : it->second)
-    if (r.max_tokens < 0 || max_tokens <= r.max_tokens) { *kernel = r.kernel; return Status::Ok(); }
-  // Parsing requires a final rule for any length, so only a table built in memory gets here.
-  return Status::Error(Code::kInvalidManifest, "the rules for " + key + " end without a rule for any length");
+    if (r.serves(max_tokens, programs, num_sms)) { *kernel = r.kernel; return Status::Ok(); }
+  // Parsing requires a final rule for any launch, so only a table built in memory gets here.
+  return Status::Error(Code::kInvalidManifest, "the rules for " + key + " end without a rule for any launch");
 }
 
 Status DispatchTable::constant(const std::string& name, int64_t* value) const {

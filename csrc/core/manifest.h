@@ -38,12 +38,16 @@ struct KernelInfo {
 };
 
 // The dispatch rules the AOT build exported from flash_reasoning.dispatch (the one place they
-// are made), so a C caller picks the same kernels as Python. A rule list maps the longest
-// range a kernel's programs walk to a kernel: the first entry whose max_tokens is at least
-// that (-1: any length).
+// are made), so a C caller picks the same kernels as Python. A rule list maps a launch (its
+// program count and the longest range one program walks) to a kernel: the first rule that
+// serves it.
 struct DispatchRule {
-  int64_t max_tokens = -1;
-  int kernel = -1;  // index into Manifest::kernels
+  double max_programs_per_sm = -1;  // -1: any count
+  int64_t max_tokens = -1;          // -1: any length
+  int kernel = -1;                  // index into Manifest::kernels
+  // Whether the rule serves `programs` programs on `num_sms` SMs of at most `max_tokens` tokens
+  // each (-1: unknown, served as many and long), comparing as Python's dispatch.pick_rule does.
+  bool serves(int64_t max_tokens, int64_t programs, int64_t num_sms) const;
 };
 
 struct DispatchTable {
@@ -52,7 +56,7 @@ struct DispatchTable {
   bool present() const { return !rules.empty(); }
 
   // kNotFound when no rule serves `key` (a head_dim or dtype this build did not compile).
-  Status pick(const std::string& key, int64_t max_tokens, int* kernel) const;
+  Status pick(const std::string& key, int64_t max_tokens, int64_t programs, int64_t num_sms, int* kernel) const;
   Status constant(const std::string& name, int64_t* value) const;
 };
 

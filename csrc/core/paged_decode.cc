@@ -75,7 +75,8 @@ Status paged_decode(Context& ctx, const AttentionShape& s, const PagedDecodeArgs
   int64_t per_split = ceil_div(capacity, split.splits);
   int kernel = -1;
   std::string family = split.splits > 1 ? "paged_decode_split/" : "paged_decode/";
-  if (!(st = ctx.pick(family + s.rule_suffix(), per_split, &kernel)).ok()) return st;
+  int64_t programs = a.num_seqs * split.tiles * split.splits;
+  if (!(st = ctx.pick(family + s.rule_suffix(), per_split, programs, &kernel)).ok()) return st;
   int64_t block_n = ctx.kernel(kernel).constexprs.at("BLOCK_N");
   int64_t tokens_per_split = std::max(ceil_div(per_split, block_n) * block_n, block_n);
   const char* ws = static_cast<const char*>(a.workspace);
@@ -91,7 +92,7 @@ Status paged_decode(Context& ctx, const AttentionShape& s, const PagedDecodeArgs
                    {"max_blocks", Arg::Int(a.max_blocks)}, {"tokens_per_split", Arg::Int(tokens_per_split)}},
                   stream);
   if (!st.ok() || split.splits == 1) return st;
-  if (!(st = ctx.pick("merge_splits/" + s.rule_suffix(), -1, &kernel)).ok()) return st;
+  if (!(st = ctx.pick("merge_splits/" + s.rule_suffix(), -1, -1, &kernel)).ok()) return st;
   return ctx.launch(kernel, a.num_seqs * s.num_qo_heads, 1, 1,
                     {{"partial_out", pointer_arg(partial_out)}, {"partial_lse", pointer_arg(partial_lse)},
                      {"out", pointer_arg(a.out)}, {"num_splits", Arg::Int(split.splits)}},
@@ -110,7 +111,7 @@ Status append_kv(Context& ctx, void* k_pool, void* v_pool, const void* slots, co
                                     {"v_new", v_new}});
   int kernel = -1;
   int64_t block = 0;
-  if (st.ok()) st = ctx.pick("append_kv", -1, &kernel);
+  if (st.ok()) st = ctx.pick("append_kv", -1, -1, &kernel);
   if (st.ok()) st = ctx.rules().constant("append_block", &block);
   if (!st.ok() || !num_tokens) return st;
   int64_t row_elems = num_kv_heads * head_dim;

@@ -134,7 +134,7 @@ Status TreeAttentionPlan::pick_kernels() {
   for (const ItemList& items : plan_.items) {
     int kernel = -1;
     std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
-    Status st = ctx_.pick(key, longest_item(items), &kernel);
+    Status st = ctx_.pick(key, longest_item(items), items.count() * shape_.num_kv_heads, &kernel);
     if (!st.ok()) return st;
     partial_kernels_.push_back(kernel);
   }
@@ -146,7 +146,7 @@ Status TreeAttentionPlan::pick_final_kernel() {
   int64_t longest = 0;
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
-  return ctx_.pick("tree_final/" + shape_.rule_suffix(), longest, &final_kernel_);
+  return ctx_.pick("tree_final/" + shape_.rule_suffix(), longest, num_branches() * final_tiles_, &final_kernel_);
 }
 
 Status TreeAttentionPlan::allocate_and_upload() {

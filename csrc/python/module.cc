@@ -326,14 +326,15 @@ PYBIND11_MODULE(_launcher, m) {
            })
       .def(
           "pick",
-          [](const fr::Launcher& l, const std::string& rule, int64_t max_tokens) {
+          [](const fr::Launcher& l, const std::string& rule, int64_t max_tokens, int64_t programs, int64_t num_sms) {
             int kernel = 0;
-            check(l.manifest().dispatch.pick(rule, max_tokens, &kernel));
+            check(l.manifest().dispatch.pick(rule, max_tokens, programs, num_sms, &kernel));
             return l.manifest().kernels[kernel].name;
           },
-          py::arg("rule"), py::arg("max_tokens"),
-          "The kernel the manifest's dispatch rules pick for `rule` (e.g. 'tree_final/float16/128') and ranges "
-          "of at most max_tokens (-1: unknown), as a C caller gets it.")
+          py::arg("rule"), py::arg("max_tokens"), py::arg("programs") = -1, py::arg("num_sms") = -1,
+          "The kernel the manifest's dispatch rules pick for `rule` (e.g. 'tree_final/float16/128') and a "
+          "launch of `programs` programs on `num_sms` SMs, each of at most max_tokens (-1: unknown), as a C "
+          "caller gets it.")
       .def(
           "paged_decode_splits",
           [](const fr::Launcher& l, int64_t num_seqs, int64_t programs_per_seq, int64_t max_seq_len, int64_t num_sms) {

@@ -10,7 +10,7 @@ import functools
 import math
 
 from . import tuning_table
-from .tuning_table import Config, Rules
+from .tuning_table import Config, Rule, Rules
 from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
                               TREE_PARTIAL, Spec, make_spec)
 
@@ -30,8 +30,8 @@ TREE_BLOCK_MS = (16, 64)
 #: (kernel, block_m) of every rule list of one dtype and head_dim: ``paged_decode`` (one
 #: program per sequence and GQA tile), ``paged_decode_split`` (a split decode: few programs),
 #: ``tree_final`` and ``tree_partial`` (a list per query-row tile). A rule list
-#: (``tuning_table.Rules``) gives a config by the most tokens one program walks; the manifest
-#: exports the same lists.
+#: (``tuning_table.Rules``) gives a config by the launch's programs per SM and the most tokens
+#: one program walks; the manifest exports the same lists.
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 
@@ -39,7 +39,7 @@ RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final
 #: this many tokens: a short range is mostly fixed cost, so small tiles that let many programs
 #: share an SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; H200: 64
 #: leaves of 64 tokens 35.8 us at 32/4/2, 42.3 at 64/4/2; docs/perf.md).
-SHORT_RANGE_CONFIGS = ((16, (16, 2, 1)), (32, (32, 2, 2)), (64, (32, 4, 2)))
+SHORT_RANGE_CONFIGS = ((None, 16, (16, 2, 1)), (None, 32, (32, 2, 2)), (None, 64, (32, 4, 2)))
 #: Many programs over longer ranges: two stages (more programs per SM) beat three.
 LONG_RANGE_CONFIG = (64, 4, 2)
 #: Few programs (a split decode): nothing else hides a lone program's latency, so a deeper
@@ -55,16 +55,20 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
 
     The wide ``tree_partial`` tile walks long shared ranges with three stages (H100: 16 tiles
     x 2048 tokens 49.0 us, 57.6 at two); sm89 has 99 KB of shared memory per block: one stage
-    less."""
+    less. They pick by range alone (any program count)."""
     if kernel == "tree_partial" and block_m != BLOCK_M:
         if arch == "sm89":
-            return ((None, (64, 8, 1) if head_dim == 256 else (64, 4, 2)),)
-        return ((None, (64, 8, 2) if head_dim == 256 else (64, 4, 3)),)
+            return _any_launch((64, 8, 1) if head_dim == 256 else (64, 4, 2))
+        return _any_launch((64, 8, 2) if head_dim == 256 else (64, 4, 3))
     if head_dim == 256:
-        return ((None, HEAD_DIM_256_CONFIG),)
+        return _any_launch(HEAD_DIM_256_CONFIG)
     if kernel == "paged_decode_split":
-        return ((None, FEW_PROGRAMS_CONFIG),)
-    return SHORT_RANGE_CONFIGS + ((None, LONG_RANGE_CONFIG),)
+        return _any_launch(FEW_PROGRAMS_CONFIG)
+    return SHORT_RANGE_CONFIGS + _any_launch(LONG_RANGE_CONFIG)
+
+
+def _any_launch(config: Config) -> Rules:
+    return ((None, None, config),)
 
 
 def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None) -> str:
@@ -89,34 +93,51 @@ def rules(kernel: str, dtype: str, head_dim: int, arch: str,
     return heuristic_rules(kernel, head_dim, arch, block_m), "heuristic"
 
 
-def pick_rule(rule_list: Rules, max_tokens: int | None) -> tuple[int | None, Config]:
-    """The first rule covering ``max_tokens`` (``None``: unknown, served as long)."""
-    for bound, config in rule_list:
-        if bound is None or (max_tokens is not None and max_tokens <= bound):
-            return bound, config
-    raise ValueError(f"rules {rule_list} end without a rule for any length")
+def pick_rule(rule_list: Rules, max_tokens: int | None, programs: int | None = None,
+              num_sms: int | None = None) -> Rule:
+    """The first rule serving a launch of ``programs`` programs on ``num_sms`` SMs, each
+    walking at most ``max_tokens`` tokens (``None``: unknown, served as many and long). The
+    C ABI compares the same way: ``programs <= max_programs_per_sm * num_sms``."""
+    for rule in rule_list:
+        per_sm, bound, _ = rule
+        few_enough = per_sm is None or (programs is not None and num_sms is not None
+                                        and programs <= per_sm * num_sms)
+        if few_enough and (bound is None or (max_tokens is not None and max_tokens <= bound)):
+            return rule
+    raise ValueError(f"rules {rule_list} end without a rule for any launch")
 
 
 def config_for(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None = None,
-               block_m: int | None = None) -> Config:
-    """(BLOCK_N, num_warps, num_stages) of ``kernel`` for programs that walk at most
-    ``max_tokens`` tokens each (``None``: unknown, long)."""
-    return pick_rule(rules(kernel, dtype, head_dim, arch, block_m)[0], max_tokens)[1]
+               block_m: int | None = None, programs: int | None = None,
+               num_sms: int | None = None) -> Config:
+    """(BLOCK_N, num_warps, num_stages) of a ``kernel`` launch of ``programs`` programs on
+    ``num_sms`` SMs that walk at most ``max_tokens`` tokens each (``None``: unknown, served
+    as many and long)."""
+    rule_list = rules(kernel, dtype, head_dim, arch, block_m)[0]
+    return pick_rule(rule_list, max_tokens, programs, num_sms)[2]
 
 
 def config_reason(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None,
-                  block_m: int | None = None) -> str:
+                  block_m: int | None = None, programs: int | None = None,
+                  num_sms: int | None = None) -> str:
     """Why :func:`config_for` gives its config: the rule list's source and the matched rule."""
     rule_list, source = rules(kernel, dtype, head_dim, arch, block_m)
-    bound, _ = pick_rule(rule_list, max_tokens)
-    shorter = [b for b, _ in rule_list if b is not None]
+    per_sm, bound, _ = pick_rule(rule_list, max_tokens, programs, num_sms)
+    fewer = [p for p, _, _ in rule_list if p is not None]
+    shorter = [b for p, b, _ in rule_list if p == per_sm and b is not None]
+    parts = [_bound_reason("programs", "per SM", per_sm, fewer, programs, "many"),
+             _bound_reason("range", "tokens", bound, shorter, max_tokens, "long")]
+    return f"{source}: {', '.join(p for p in parts if p) or 'one config for any launch'}"
+
+
+def _bound_reason(what: str, unit: str, bound, lower: list, value, unknown: str) -> str:
+    """``range <= 64 tokens``, ``range > 64 tokens``, ``range unknown: long``, or nothing
+    when no rule of the list bounds ``what``."""
     if bound is not None:
-        rule = f"range <= {bound} tokens"
-    elif not shorter:
-        rule = "one config for any range"
-    else:
-        rule = "range unknown: long" if max_tokens is None else f"range > {shorter[-1]} tokens"
-    return f"{source}: {rule}"
+        return f"{what} <= {bound:g} {unit}"
+    if not lower:
+        return ""
+    return f"{what} unknown: {unknown}" if value is None else f"{what} > {lower[-1]:g} {unit}"
 
 
 def reset() -> None:
@@ -199,11 +220,12 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config)
 
 
-def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple[int | None, Spec]]]:
-    """Every rule list of one dtype and head_dim, by key, as (bound, kernel spec) pairs."""
+def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:
+    """Every rule list of one dtype and head_dim, by key, its configs replaced by their
+    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``."""
     return {rule_key(kernel, dtype, head_dim, block_m):
-            [(bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m))
-             for bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
+            [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m))
+             for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
             for kernel, block_m in RULE_LISTS}
 
 
@@ -214,7 +236,7 @@ def required_specs(arch: str) -> list[Spec]:
         for head_dim in HEAD_DIMS:
             specs.append(merge_spec(dtype, head_dim))
             for rule_list in rule_specs(dtype, head_dim, arch).values():
-                specs += [spec for _, spec in rule_list]
+                specs += [spec for _, _, spec in rule_list]
     return list(dict.fromkeys(specs))
 
 
@@ -237,16 +259,15 @@ def num_splits(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: 
 
 def dispatch_rules(arch: str) -> dict:
     """The rules as data, for the manifest: a C caller of ``libflash_reasoning`` picks by them
-    the kernels these functions pick (``[[max_tokens or None, kernel name], ...]`` by key, a
-    bound dropped where the next rule names the same kernel)."""
-    rules_out = {"append_kv": [[None, append_spec().name]]}
+    the kernels these functions pick (``[[max_programs_per_sm, max_tokens, kernel name], ...]``
+    by key, ``None`` for any, simplified where rules name the same kernel)."""
+    rules_out = {"append_kv": [[None, None, append_spec().name]]}
     for dtype in DTYPES:
         for hd in HEAD_DIMS:
-            rules_out[f"merge_splits/{dtype}/{hd}"] = [[None, merge_spec(dtype, hd).name]]
+            rules_out[f"merge_splits/{dtype}/{hd}"] = [[None, None, merge_spec(dtype, hd).name]]
             for key, rule_list in rule_specs(dtype, hd, arch).items():
-                named = [[bound, spec.name] for bound, spec in rule_list]
-                rules_out[key] = [rule for rule, after in zip(named, named[1:] + [None])
-                                  if after is None or after[1] != rule[1]]
+                named = tuple((per_sm, bound, spec.name) for per_sm, bound, spec in rule_list)
+                rules_out[key] = [list(rule) for rule in tuning_table.simplify(named)]
     constants = {"block_m": BLOCK_M, "tree_block_m_narrow": TREE_BLOCK_MS[0],
                  "tree_block_m_wide": TREE_BLOCK_MS[1], "merge_block_s": MERGE_BLOCK_S,
                  "append_block": APPEND_BLOCK, "min_tokens_per_split": MIN_TOKENS_PER_SPLIT,

@@ -22,19 +22,29 @@ def median_us(fn, runs: int = 100, warmup: int = 5) -> float:
 
     The flush *reads* a buffer larger than L2: a write would leave L2 full of dirty lines
     whose write-back to HBM then lands inside the timed region (~17 us on an H100)."""
+    return median_us_each({"fn": fn}, runs, warmup)["fn"]
+
+
+def median_us_each(fns: dict, runs: int = 100, warmup: int = 5) -> dict:
+    """:func:`median_us` of each of ``fns`` (by key), their runs interleaved round by round so
+    that drift (clocks, temperature) reaches each alike: what comparisons of configs need."""
     flush = torch.ones(L2_FLUSH_BYTES // 8, dtype=torch.int64, device="cuda")
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for start, end in zip(starts, ends):
-        flush.sum()
-        torch.cuda._sleep(HOST_HEADROOM_CYCLES)
-        start.record()
-        fn()
-        end.record()
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    events = {key: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    for _ in range(runs)] for key in fns}
+    for i in range(runs):
+        for key, fn in fns.items():
+            start, end = events[key][i]
+            flush.sum()
+            torch.cuda._sleep(HOST_HEADROOM_CYCLES)
+            start.record()
+            fn()
+            end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+    return {key: statistics.median(s.elapsed_time(e) for s, e in pairs) * 1e3
+            for key, pairs in events.items()}
 
 
 def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:

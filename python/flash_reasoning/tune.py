@@ -1,15 +1,17 @@
 """The tuner: ``python -m flash_reasoning.tune`` times every compiled candidate config of each
 kernel on a grid of workloads and writes the arch's tuning table (``tuning_table``).
 
-Workloads are what the kernels meet in use: the planner's own plans over two- and three-level
+Workloads are what the kernels meet in use: the planner's own plans over two-level and deeper
 trees (shared prefix length, branch count, leaf length, GQA group) and paged decodes (sequence
 count, length, group), for each dtype and head_dim. Every launch of a workload is timed alone
-(CUDA events, L2 flushed, median) with each candidate that is compiled for its rule list
-(``dispatch.RULE_LISTS``). A launch's *bucket* is the power of two nearest (in log scale) to the
-most tokens one of its programs walks; in each bucket the config with the lowest geometric mean
-of time over each workload's fastest wins (the least total time instead measured 0.5% slower
-on the benchmark, docs/perf.md), and each winner serves the lengths nearer to its bucket than
-to the next one. Rule lists with one compiled candidate keep their rules untimed.
+(CUDA events, L2 flushed, median; the candidates' runs interleaved) with each candidate that
+is compiled for its rule list (``dispatch.RULE_LISTS``). A launch's *band* is the first of
+``--bands`` (programs per SM) its program count fits under, or the last, open band; its
+*bucket* is the power of two nearest (in log scale) to the most tokens one of its programs
+walks. In each band and bucket the config with the lowest geometric mean of time over each
+workload's fastest wins (the least total time instead measured 0.5% slower on the benchmark,
+docs/perf.md), and each winner serves the lengths of its band nearer to its bucket than to
+the next one. Rule lists with one compiled candidate keep their rules untimed.
 
 Candidates are what the artifacts hold: build with ``FLASH_REASONING_AOT_GRID=wide`` to measure
 the full candidate grid (``aot/grid.py``). ``--fixed N/W/S`` writes a table that pins one
@@ -40,12 +42,18 @@ from .tuning_table import Config, Rules
 NUM_QO_HEADS = 32
 GROUPS = (1, 4, 8)
 #: Two-level trees: a shared prefix, then one leaf per branch.
-PREFIXES, BRANCHES, LEAVES = (256, 2048), (4, 32, 256), (8, 32, 128, 512)
-#: Three-level trees (nodes per level, tokens per level but the last), leaves of these lengths.
-DEEP_TREE, DEEP_LEAVES = ((1, 4, 64), (1024, 128)), (16, 64, 256)
+PREFIXES, BRANCHES, LEAVES = (256, 2048), (1, 4, 16, 64, 256, 1024), (8, 32, 64, 128, 512)
+#: Deeper trees (nodes per level, tokens per level but the last), leaves of these lengths: a
+#: final range then merges a partial per computed level.
+DEEP_TREES = (((1, 4, 64), (1024, 128)), ((1, 4, 16, 256), (512, 256, 64)))
+DEEP_LEAVES = (16, 64, 256)
 PAGED_SEQS, PAGED_LENGTHS = (1, 4, 16, 64, 256), (16, 64, 256, 1024, 4096, 16384)
 #: Paged workloads larger than this many tokens are skipped (memory and time).
 MAX_PAGED_TOKENS = 1 << 19
+#: Programs per SM where rule lists split (``--bands``): up to about one wave of programs,
+#: deep pipelines and wide tiles win; with many programs per SM, small tiles of two warps
+#: (H100: final ranges of 128 tokens, 128 programs best at 64/4/3, 8192 at 32/2/2, +30%).
+PROGRAMS_PER_SM_BANDS = (2, 8)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Sample:
     key: str
     workload: str
     max_tokens: int
+    programs: int
     config: Config
     us: float
 
@@ -61,30 +70,40 @@ class Sample:
     def bucket(self) -> int:
         return bucket_of(self.max_tokens)
 
+    def band(self, num_sms: int, bands: tuple[float, ...]) -> float | None:
+        """The first of ``bands`` (programs per SM) this launch fits under; ``None``: more."""
+        return next((b for b in bands if self.programs <= b * num_sms), None)
+
 
 def bucket_of(max_tokens: int) -> int:
     """The power of two nearest ``max_tokens`` in log scale (a range of 0 tokens: 1)."""
     return 2 ** round(math.log2(max(max_tokens, 1)))
 
 
-def rules_from_winners(winners: dict[int, Config]) -> Rules:
-    """Rules from each bucket's winner: a bucket serves lengths up to the geometric mean of it
-    and the next bucket (nearest in log scale); the last serves any length; neighbouring rules
-    with one config merge."""
+def band_rules(band: float | None, winners: dict[int, Config]) -> Rules:
+    """One band's rules from each bucket's winner: a bucket serves lengths up to the geometric
+    mean of it and the next bucket (nearest in log scale); the last serves any length."""
     buckets = sorted(winners)
     bounds = [math.isqrt(a * b) for a, b in zip(buckets, buckets[1:])] + [None]
-    rules = [(bound, winners[b]) for bound, b in zip(bounds, buckets)]
-    return tuple(rule for rule, after in zip(rules, rules[1:] + [None])
-                 if after is None or after[1] != rule[1])
+    return tuple((band, bound, winners[b]) for bound, b in zip(bounds, buckets))
 
 
-def choose(samples: list[Sample]) -> dict[str, Rules]:
-    """Per rule list, its rules from the samples: each bucket's winner (:func:`_winner`)."""
-    by_key: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
+def choose(samples: list[Sample], num_sms: int,
+           bands: tuple[float, ...] = PROGRAMS_PER_SM_BANDS) -> dict[str, Rules]:
+    """Per rule list, its rules from the samples: each band's and bucket's winner
+    (:func:`_winner`); the last band measured serves any program count."""
+    cells: dict[str, dict] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for s in samples:
-        by_key[s.key][s.bucket].append(s)
-    return {key: rules_from_winners({bucket: _winner(group) for bucket, group in buckets.items()})
-            for key, buckets in by_key.items()}
+        cells[s.key][s.band(num_sms, bands)][s.bucket].append(s)
+    out = {}
+    for key, by_band in cells.items():
+        measured = sorted(by_band, key=lambda b: math.inf if b is None else b)
+        last = len(measured) - 1
+        rules = [rule for i, band in enumerate(measured) for rule in band_rules(
+            None if i == last else band,
+            {bucket: _winner(group) for bucket, group in by_band[band].items()})]
+        out[key] = tuning_table.simplify(tuple(rules))
+    return out
 
 
 def _winner(samples: list[Sample]) -> Config:
@@ -147,11 +166,10 @@ class Tuner:
             kernel = launch.spec.family
             block_m = dict(launch.spec.constexprs)["BLOCK_M"] if kernel == "tree_partial" else None
             key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
-            for config in self.candidates(key):
-                spec = dispatch.kernel_spec(kernel, dtype, head_dim, self.arch, config, block_m)
-                timed = replace(launch, spec=spec)
-                self._sample(key, name, max_tokens, config,
-                             lambda: runtime.run([timed], self.device))
+            runs = {config: [replace(launch, spec=dispatch.kernel_spec(
+                kernel, dtype, head_dim, self.arch, config, block_m))]
+                for config in self.candidates(key)}
+            self._sample(key, name, max_tokens, math.prod(launch.grid), runs)
 
     def time_paged(self, dtype: str, head_dim: int, group: int, seqs: int, length: int) -> None:
         """A paged decode (split when its programs are few) with every candidate."""
@@ -169,13 +187,19 @@ class Tuner:
         splits = first[0].grid[2]
         tokens = math.ceil(p.block_tables.shape[1] * p.k_pool.shape[1] / splits)
         name = f"paged {seqs}x{length} g{group} {dtype} d{head_dim}"
-        for config in self.candidates(key):
-            launches = decode_launches(*args, num_splits=splits, config=config)
-            self._sample(key, name, tokens, config, lambda: runtime.run(launches, self.device))
+        runs = {config: decode_launches(*args, num_splits=splits, config=config)
+                for config in self.candidates(key)}
+        self._sample(key, name, tokens, math.prod(first[0].grid), runs)
 
-    def _sample(self, key, workload, max_tokens, config, fn) -> None:
-        us = timing.median_us(fn, runs=self.runs, warmup=2)
-        self.samples.append(Sample(key, workload, max_tokens, config, us))
+    def _sample(self, key, workload, max_tokens, programs, launches: dict) -> None:
+        """Time each config's launches, interleaved (``timing.median_us_each``)."""
+        if not launches:
+            return
+        fns = {config: (lambda ls=ls: runtime.run(ls, self.device))
+               for config, ls in launches.items()}
+        times = timing.median_us_each(fns, runs=self.runs, warmup=2)
+        self.samples += [Sample(key, workload, max_tokens, programs, config, us)
+                         for config, us in times.items()]
 
 
 def workloads(dtypes, head_dims):
@@ -188,8 +212,9 @@ def workloads(dtypes, head_dims):
                         for leaf in LEAVES:
                             yield "time_tree", (dtype, head_dim, group,
                                                 ((1, branches), (prefix,)), leaf)
-                for leaf in DEEP_LEAVES:
-                    yield "time_tree", (dtype, head_dim, group, DEEP_TREE, leaf)
+                for tree in DEEP_TREES:
+                    for leaf in DEEP_LEAVES:
+                        yield "time_tree", (dtype, head_dim, group, tree, leaf)
                 for seqs in PAGED_SEQS:
                     for length in PAGED_LENGTHS:
                         if seqs * length <= MAX_PAGED_TOKENS:
@@ -205,19 +230,22 @@ def fixed_rules(arch: str, config: Config, manifest: dict) -> dict[str, Rules]:
                 key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
                 current = dispatch.rules(kernel, dtype, head_dim, arch, block_m)[0]
                 pinned = config in compiled_configs(manifest, key)
-                out[key] = ((None, config),) if pinned else current
+                out[key] = ((None, None, config),) if pinned else current
     return out
 
 
-def rechoose(raw: Path, out: Path | None) -> int:
+def rechoose(raw: Path, out: Path | None, bands: tuple[float, ...]) -> int:
     """Write the table that :func:`choose` makes from a ``--raw`` file's timings."""
     data = json.loads(Path(raw).read_text())
-    samples = [Sample(s["key"], s["workload"], s["max_tokens"], tuple(s["config"]), s["us"])
-               for s in data["samples"]]
-    arch = data["measured_on"]["arch"]
+    measured_on = data["measured_on"]
+    if "num_sms" not in measured_on:
+        raise SystemExit(f"{raw}: timings without program counts (an older tuner); tune again")
+    samples = [Sample(s["key"], s["workload"], s["max_tokens"], s["programs"],
+                      tuple(s["config"]), s["us"]) for s in data["samples"]]
+    arch = measured_on["arch"]
     out = out or Path(f"tuning-{arch}.json")
-    tuning_table.write(out, arch, choose(samples), {**data["measured_on"],
-                                                    "timings": len(samples)})
+    tuning_table.write(out, arch, choose(samples, measured_on["num_sms"], bands),
+                       {**measured_on, "timings": len(samples), "bands": list(bands)})
     print(f"wrote {out} from {len(samples)} timings of {raw}")
     return 0
 
@@ -229,6 +257,18 @@ def parse_config(text: str) -> Config:
         raise argparse.ArgumentTypeError(f"expected BLOCK_N/WARPS/STAGES, e.g. 64/4/2, got "
                                          f"{text!r}") from None
     return block_n, warps, stages
+
+
+def parse_bands(text: str) -> tuple[float, ...]:
+    try:
+        bands = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        bands = ()
+    else:
+        if all(b > 0 for b in bands) and list(bands) == sorted(set(bands)):
+            return tuple(int(b) if b.is_integer() else b for b in bands)
+    raise argparse.ArgumentTypeError(f"expected ascending positive programs per SM, e.g. 2,16 "
+                                     f"(or nothing for one band), got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,15 +283,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a table pinning this config instead of measuring")
     parser.add_argument("--from-raw", type=Path, metavar="RAW",
                         help="choose again from a --raw file (no GPU needed)")
+    parser.add_argument("--bands", type=parse_bands, default=PROGRAMS_PER_SM_BANDS,
+                        metavar="P1,P2", help="programs per SM where rule lists may split "
+                        f"(default {','.join(map(str, PROGRAMS_PER_SM_BANDS))})")
     args = parser.parse_args(argv)
     if args.from_raw:
-        return rechoose(args.from_raw, args.out)
+        return rechoose(args.from_raw, args.out, args.bands)
     device = runtime.require_cuda()
     arch = runtime.arch_of(device.index)
     out = args.out or Path(f"tuning-{arch}.json")
     measured_on = {"arch": arch, "device": torch.cuda.get_device_name(device),
                    "date": datetime.date.today().isoformat(), "flash_reasoning": __version__,
-                   "torch": torch.__version__}
+                   "torch": torch.__version__, "num_sms": runtime.num_sms(device.index)}
     if args.fixed:
         manifest = json.loads((runtime.artifact_root() / arch / "manifest.json").read_text())
         tuning_table.write(out, arch, fixed_rules(arch, args.fixed, manifest),
@@ -265,17 +308,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\r{i + 1}/{len(grid)} workloads, {len(tuner.samples)} timings", end="",
               file=sys.stderr, flush=True)
     print(file=sys.stderr)
-    rules = choose(tuner.samples)
+    rules = choose(tuner.samples, tuner.num_sms, args.bands)
     measured_on.update(runs=args.runs, workloads=len(grid), timings=len(tuner.samples))
-    tuning_table.write(out, arch, rules, measured_on)
-    for key, rule_list in sorted(rules.items()):
-        print(f"{key}: " + ", ".join(f"<= {b} {c}" if b else f"else {c}" for b, c in rule_list))
-    print(f"wrote {out}")
-    if args.raw:
+    if args.raw:  # before the table's band choice: --from-raw may choose again
         args.raw.write_text(json.dumps({"measured_on": measured_on, "samples": [
             {**s.__dict__, "bucket": s.bucket} for s in tuner.samples]}) + "\n")
         print(f"wrote {args.raw}")
+    tuning_table.write(out, arch, rules, {**measured_on, "bands": list(args.bands)})
+    for key, rule_list in sorted(rules.items()):
+        print(f"{key}: " + ", ".join(describe(rule) for rule in rule_list))
+    print(f"wrote {out}")
     return 0
+
+
+def describe(rule: tuning_table.Rule) -> str:
+    """``programs <= 2/SM, tokens <= 90: 32/4/2``."""
+    per_sm, tokens, config = rule
+    bounds = [f"programs <= {per_sm:g}/SM" if per_sm is not None else "",
+              f"tokens <= {tokens}" if tokens is not None else ""]
+    return f"{', '.join(b for b in bounds if b) or 'else'}: {'/'.join(map(str, config))}"
 
 
 if __name__ == "__main__":

@@ -8,27 +8,33 @@ tables present when it runs). An arch with no table uses the heuristics of ``dis
 
 A table::
 
-    {"schema": 1, "arch": "sm90",
+    {"schema": 2, "arch": "sm90",
      "measured_on": {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-21", ...},
-     "rules": {"tree_final/float16/128": [[16, [16, 2, 1]], [null, [64, 4, 2]]], ...}}
+     "rules": {"tree_final/float16/128": [[2, 90, [32, 4, 2]], [2, null, [64, 4, 3]],
+                                          [null, 22, [16, 2, 1]], [null, null, [32, 2, 2]]], ...}}
 
-Each rule list maps ranges of at most ``bound`` tokens (``null``: any) to a (BLOCK_N,
-num_warps, num_stages) config, as in ``dispatch.Rules``. Nothing here imports torch.
+A rule ``[max_programs_per_sm, max_tokens, [BLOCK_N, num_warps, num_stages]]`` serves a launch
+of at most ``max_programs_per_sm x num_sms`` programs each walking at most ``max_tokens`` tokens
+(``null``: any); the first rule that serves a launch gives its config. Rules ascend by programs
+per SM, then by tokens, and the last serves any launch. Nothing here imports torch.
 """
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV_VAR = "FLASH_REASONING_TUNING"
-SCHEMA = 1
+SCHEMA = 2
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuning"
 
 Config = tuple[int, int, int]
-Rules = tuple[tuple[int | None, Config], ...]
+#: (max programs per SM, max tokens per program, config); ``None``: any.
+Rule = tuple[float | None, int | None, Config]
+Rules = tuple[Rule, ...]
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,9 @@ def read(path: Path, source: str | None = None) -> Table:
     except (OSError, ValueError) as err:
         raise ValueError(f"{source}: cannot read the tuning table: {err}") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise ValueError(f"{source}: not a tuning table of schema {SCHEMA} (written by "
-                         "python -m flash_reasoning.tune)")
+        found = data.get("schema") if isinstance(data, dict) else None
+        raise ValueError(f"{source}: not a tuning table of schema {SCHEMA} (found schema "
+                         f"{found!r}); write one with python -m flash_reasoning.tune")
     arch, rules = data.get("arch"), data.get("rules")
     if not isinstance(arch, str) or not isinstance(rules, dict):
         raise ValueError(f"{source}: needs a string 'arch' and an object 'rules'")
@@ -70,37 +77,68 @@ def read(path: Path, source: str | None = None) -> Table:
 
 
 def _rule_list(where: str, value) -> Rules:
-    """A checked rule list: bounds ascending positive ints ending with null, configs of three
-    positive ints with a power-of-two BLOCK_N."""
+    """A checked rule list: positive bounds (programs per SM a number, tokens an int)
+    ascending by (programs per SM, tokens), the last rule ``[null, null, config]``; configs
+    of three positive ints with a power-of-two BLOCK_N."""
+    shape = "[max_programs_per_sm, max_tokens, [BLOCK_N, warps, stages]]"
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{where} must be a non-empty list of [bound, [BLOCK_N, warps, stages]]")
-    out, previous = [], 0
+        raise ValueError(f"{where} must be a non-empty list of {shape}")
+    out = []
     for i, rule in enumerate(value):
-        last = i == len(value) - 1
-        if not (isinstance(rule, list) and len(rule) == 2):
-            raise ValueError(f"{where}[{i}] must be [bound, [BLOCK_N, warps, stages]]")
-        bound, config = rule
-        if last != (bound is None) or (bound is not None and not (
-                _is_int(bound) and bound > previous)):
-            raise ValueError(f"{where}[{i}]: bounds must be ascending positive ints and only "
-                             f"the last null, got {bound!r}")
+        if not (isinstance(rule, list) and len(rule) == 3):
+            raise ValueError(f"{where}[{i}] must be {shape}, got {rule!r}")
+        per_sm, tokens, config = rule
+        if not (per_sm is None or (_is_number(per_sm) and per_sm > 0)) or \
+                not (tokens is None or (_is_int(tokens) and tokens > 0)):
+            raise ValueError(f"{where}[{i}]: bounds must be null or positive (programs per SM "
+                             f"a number, tokens an int), got {per_sm!r}, {tokens!r}")
         if not (isinstance(config, list) and len(config) == 3 and all(
                 _is_int(c) and c > 0 for c in config)) or config[0] & (config[0] - 1):
             raise ValueError(f"{where}[{i}]: config must be [BLOCK_N (a power of two), "
                              f"num_warps, num_stages], got {config!r}")
-        out.append((bound, tuple(config)))
-        previous = bound or previous
+        if out and _order(out[-1]) >= _order((per_sm, tokens)):
+            raise ValueError(f"{where}[{i}]: rules must ascend by programs per SM, then by "
+                             f"tokens; {rule[:2]} follows {list(out[-1][:2])}")
+        out.append((per_sm, tokens, tuple(config)))
+    if out[-1][:2] != (None, None):
+        raise ValueError(f"{where} must end with a rule for any launch: [null, null, config]")
     return tuple(out)
+
+
+def _order(rule) -> tuple[float, float]:
+    per_sm, tokens = rule[:2]
+    return (math.inf if per_sm is None else per_sm, math.inf if tokens is None else tokens)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def simplify(rules: tuple) -> tuple:
+    """The same choices in fewer rules (of configs, or of anything a rule gives): a rule
+    whose next rule in its band gives the same is dropped (the next one's bound covers it), and
+    a band whose rules equal the next band's is dropped (its launches fall through to it)."""
+    bands: list[list] = []
+    for rule in rules:
+        if bands and bands[-1][0][0] == rule[0]:
+            bands[-1].append(rule)
+        else:
+            bands.append([rule])
+    bands = [[r for r, after in zip(band, band[1:] + [None]) if after is None or after[2] != r[2]]
+             for band in bands]
+    kept = [band for band, after in zip(bands, bands[1:] + [None])
+            if after is None or [r[1:] for r in band] != [r[1:] for r in after]]
+    return tuple(rule for band in kept for rule in band)
+
+
 def write(path: Path, arch: str, rules: dict[str, Rules], measured_on: dict) -> None:
     """Write a table that :func:`read` accepts (checked by reading it back)."""
     head = {"schema": SCHEMA, "arch": arch, "measured_on": measured_on}
-    lines = [f" {json.dumps(key)}: {json.dumps([[b, list(c)] for b, c in rule_list])}"
+    lines = [f" {json.dumps(key)}: {json.dumps([[p, t, list(c)] for p, t, c in rule_list])}"
              for key, rule_list in sorted(rules.items())]  # one rule list per line
     text = json.dumps(head)[:-1] + ',\n"rules": {\n' + ",\n".join(lines) + "\n}}\n"
     path = Path(path)

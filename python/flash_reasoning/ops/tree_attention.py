@@ -68,10 +68,9 @@ class TreeAttentionPlan:
         self.tree_version = allocator.tree_version
         # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
         self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
+        self.num_sms = num_sms or (runtime.num_sms(device.index) if device.type == "cuda" else 1)
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
-                              allocator.k_pools[0].element_size(),
-                              num_sms or (runtime.num_sms(device.index)
-                                          if device.type == "cuda" else 1))
+                              allocator.k_pools[0].element_size(), self.num_sms)
         self.arrays = planner.plan(tree, shape, target_chunk)
         self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
@@ -160,8 +159,8 @@ class TreeAttentionPlan:
         self._scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
                          self.allocator.block_size, self.tables.shape[1])
         templates = [
-            (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch,
-                                        self._config("tree_partial", dtype, tokens, block_m)),
+            (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
+                "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m)),
              (records.shape[0], kv_heads, 1),
              (self.tables, self._order, items, self._entry_slot, self.partial_out,
               self.partial_lse), False)
@@ -170,20 +169,22 @@ class TreeAttentionPlan:
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
         final_tokens = int((lengths - self.arrays.final_start).max())
         self.launch_max_tokens.append(final_tokens)
-        final_config = self._config("tree_final", dtype, final_tokens)
+        final_config = self._config("tree_final", dtype, final_tokens, self.num_branches * tiles)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
                           (self.tables, self.lengths, self._final_start, self._merge_ptr,
                            self.partial_out, self.partial_lse), True))
         return templates
 
-    def _config(self, kernel: str, dtype: str, max_tokens: int,
+    def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,
                 block_m: int | None = None) -> tuple[int, int, int]:
-        """The dispatch rules' config for ``kernel``'s programs of at most ``max_tokens``."""
-        config = dispatch.config_for(kernel, dtype, self.head_dim, self.arch, max_tokens, block_m)
+        """The dispatch rules' config for a launch of ``programs`` programs that walk at most
+        ``max_tokens`` tokens each."""
+        config = dispatch.config_for(kernel, dtype, self.head_dim, self.arch, max_tokens, block_m,
+                                     programs, self.num_sms)
         if log.enabled():
             log.config_chosen(kernel, config, dtype, self.arch, self.head_dim, max_tokens,
-                              block_m)
+                              block_m, programs=programs, num_sms=self.num_sms)
         return config
 
     def _upload_work_lists(self, device: torch.device) -> None:
