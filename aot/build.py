@@ -23,8 +23,6 @@ from flash_reasoning.specializations import FAMILIES, SCRATCH_PARAMS, Spec
 from . import grid
 
 MANIFEST_FORMAT = 1
-#: Opt-in shared memory per block (bytes) of each arch: a kernel above it cannot launch there.
-MAX_SHARED = {"sm80": 166912, "sm89": 101376, "sm90": 232448}
 DEFAULT_CACHE = Path(__file__).resolve().parent.parent / "build" / "aot-cache"
 
 
@@ -72,9 +70,9 @@ def compile_spec(arch: str, spec: Spec) -> tuple[bytes, dict]:
         raise RuntimeError(f"{spec.name} ({arch}) needs scratch memory "
                            f"({meta.global_scratch_size}/{meta.profile_scratch_size} B): "
                            "the launcher passes none")
-    if meta.shared > MAX_SHARED[arch]:
+    if meta.shared > grid.MAX_SHARED[arch]:
         raise RuntimeError(f"{spec.name} needs {meta.shared} B of shared memory; {arch} "
-                           f"allows {MAX_SHARED[arch]} B: give it fewer stages there")
+                           f"allows {grid.MAX_SHARED[arch]} B: give it fewer stages there")
     params = [{"name": n, "type": signature[n]} for n in family.param_names]
     params += [{"name": n, "type": t} for n, t in SCRATCH_PARAMS]
     entry = {"name": spec.name, "kernel": spec.family, "entry": compiled.name,

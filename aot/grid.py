@@ -20,8 +20,9 @@ DECODE_TILE_CANDIDATES = ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 4, 2), (64, 4
 WIDE_TILE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))
 #: head_dim 256 keeps its one config: its larger tiles overflow shared memory in several.
 CANDIDATE_HEAD_DIMS = (64, 128)
-#: Shared memory per block (KB) each arch allows, for the candidates' estimate.
-SHARED_KB = {"sm80": 163, "sm89": 99, "sm90": 227}
+#: Opt-in shared memory per block (bytes) of each arch: the candidates' estimate must fit, and
+#: the build refuses a compiled kernel above it (it could not launch there).
+MAX_SHARED = {"sm80": 163 << 10, "sm89": 99 << 10, "sm90": 227 << 10}
 
 
 def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
@@ -54,4 +55,4 @@ def fits_shared_memory(arch: str, head_dim: int, block_m: int,
     """Whether the K and V tiles of every stage, and the query tile, fit (16-bit elements)."""
     block_n, _, stages = config
     need = (2 * stages * block_n + block_m) * head_dim * 2
-    return need <= SHARED_KB[arch] * 1024
+    return need <= MAX_SHARED[arch]

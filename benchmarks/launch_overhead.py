@@ -28,6 +28,7 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -236,7 +237,7 @@ def old_path_figures(setup: Setup, calls: int) -> dict[str, float]:
     return figures
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=CALLS)
@@ -266,7 +267,11 @@ def main() -> None:
         print(result["cprofile"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if result.get("per_launch_matches_plan_run") is False:
+        print("FAILED: plan.run and the per-launch path wrote different outputs")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

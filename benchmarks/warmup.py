@@ -33,6 +33,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TARGET_MS = 300.0
+#: The JIT runs the same kernels on the same plan: its output must match the AOT one.
+JIT_MAX_DIFF = 1e-3
 CASE = dict(batch=256, prefix=2048, leaf=64)
 MODES = ("aot", "jit_cold", "jit_warm")
 STEPS = ("torch_import", "cuda_init", "import", "launcher", "tree_build", "first_call",
@@ -187,7 +189,7 @@ def report(runs: dict[str, list[dict]], repeats: int) -> dict:
             "cuda_context_included": False, "runs": runs}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the figures and every run here")
@@ -196,11 +198,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child)))
-        return
+        return 0
     summary = report(measure(args.repeats), args.repeats)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
+    diffs = [r["max_abs_diff_vs_aot"] for mode in MODES[1:] for r in summary["runs"][mode]]
+    if summary["triton_imported_by_aot"] or not all(d <= JIT_MAX_DIFF for d in diffs):
+        print(f"FAILED: triton imported by the AOT process, or a JIT output off by more than "
+              f"{JIT_MAX_DIFF} (NaN included): {diffs}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Configs of the shipped paged attention loop (``attention_core.attend``), JIT-compiled on
 the GPU and timed on the shapes the tree kernels see (a shared root under wide tiles, short
-leaves, one long range): the data behind ``dispatch.decode_config``. The loop variants it
+leaves, one long range): the data behind ``dispatch.heuristic_rules``. The loop variants it
 once compared (page ids loaded in the tile's own iteration, V loaded after the softmax) are
 recorded in docs/perf.md; the adopted one is the shipped loop. Run on a GPU."""
 import sys

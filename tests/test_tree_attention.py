@@ -167,6 +167,8 @@ def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk):
     pointers, pass every launcher check (argument count and types, the plan's buffers
     aligned, each placeholder on a pointer parameter); a bad pointer is refused by name
     before the driver is reached."""
+    if "sm90" not in runtime.available_archs():  # a GPU machine builds its own arch only
+        pytest.skip("the sm90 artifacts are not built here")
     alloc, ids = forest("cpu", num_kv_heads=8, head_dim=128, tokens=200)
     plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk)
     launcher = _launcher.Launcher(runtime.artifact_root() / "sm90", 0)
@@ -233,27 +235,6 @@ def test_gpu_1024_branches_and_edge_lengths():
         ids.append(child)
     q = queries(alloc, ids, 32)
     check(tree_attention(q, alloc, ids, out=poisoned_like(q)), q, alloc, ids)
-
-
-@gpu
-def test_gpu_plan_run_in_a_cuda_graph_after_decode_steps():
-    alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=64, tokens=200,
-                        block_size=16)
-    q = queries(alloc, ids, 32)
-    plan = TreeAttentionPlan(alloc, ids, 32)
-    out = torch.empty_like(q)
-    plan.run(q, 0, out)                    # warm: load the cubins outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan.run(q, 0, out)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        alloc.append(ids, 0, *random_kv(alloc, gen, len(ids)))
-        plan.refresh()
-        graph.replay()
-        torch.cuda.synchronize()
-        check(out, q, alloc, ids)
-        assert torch.equal(out, plan.run(q, 0))
 
 
 @gpu

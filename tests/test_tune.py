@@ -1,4 +1,5 @@
 """The tuner's choices from timings (pure), its table output, and its GPU run."""
+import gzip
 import json
 import math
 from dataclasses import replace
@@ -85,14 +86,16 @@ def test_a_launch_at_a_band_edge_belongs_to_that_band():
     assert replace(edge, programs=1057).band(132, (2, 8)) is None
 
 
-def test_the_table_can_be_chosen_again_from_raw_timings(tmp_path):
+@pytest.mark.parametrize("name", ["raw.json", "raw.json.gz"])
+def test_the_table_can_be_chosen_again_from_raw_timings(tmp_path, name):
     samples = [sample("a", 8, (16, 2, 1), 5.0), sample("a", 8, (64, 4, 2), 7.0),
                sample("b", 512, (16, 2, 1), 90.0), sample("b", 512, (64, 4, 2), 60.0),
                sample("c", 8, (16, 2, 1), 9.0, programs=4000),
                sample("c", 8, (64, 4, 2), 7.0, programs=4000)]
-    raw = tmp_path / "raw.json"
-    raw.write_text(json.dumps({"measured_on": {"arch": "sm90", "device": "x", "num_sms": 132},
-                               "samples": [s.__dict__ for s in samples]}))
+    raw = tmp_path / name
+    text = json.dumps({"measured_on": {"arch": "sm90", "device": "x", "num_sms": 132},
+                       "samples": [s.__dict__ for s in samples]})
+    raw.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
     assert tune.main(["--from-raw", str(raw), "--out", str(tmp_path / "t.json"),
                       "--bands", "2,8"]) == 0
     table = tuning_table.read(tmp_path / "t.json")
@@ -183,9 +186,18 @@ def test_a_short_tuning_run_writes_a_table_dispatch_accepts(tmp_path, monkeypatc
     assert tune.main(["--out", str(out), "--runs", "3", "--dtypes", "float16",
                       "--head-dims", "128", "--raw", str(tmp_path / "raw.json")]) == 0
     table = tuning_table.read(out)
-    compiled = json.loads((tune.runtime.artifact_root() / table.arch / "manifest.json")
-                          .read_text())
-    for key, rule_list in table.rules.items():
-        assert {c for _, _, c in rule_list} <= set(tune.compiled_configs(compiled, key)), key
+    compiled = {k["name"] for k in tune.runtime.load_manifest(table.arch)["kernels"]}
+    monkeypatch.setenv(tuning_table.ENV_VAR, str(out))
+    dispatch.reset()
+    try:  # dispatch reads the table, and every config it can pick names a compiled kernel
+        for key, rule_list in table.rules.items():
+            kernel, dtype, head_dim, *block_m = key.split("/")
+            where = (kernel, dtype, int(head_dim), table.arch, int(block_m[0]) if block_m else None)
+            assert dispatch.rules(*where)[1].startswith(tuning_table.ENV_VAR)
+            for _, _, config in rule_list:
+                assert dispatch.kernel_spec(*where[:4], config, where[4]).name in compiled, key
+    finally:
+        monkeypatch.delenv(tuning_table.ENV_VAR)
+        dispatch.reset()
     raw = json.loads((tmp_path / "raw.json").read_text())
     assert raw["samples"] and all(s["programs"] > 0 for s in raw["samples"])

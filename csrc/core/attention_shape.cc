@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <set>
 
+#include "int_math.h"
+
 namespace flash_reasoning {
 namespace {
 
@@ -46,6 +48,13 @@ Status check_shape(const Context& ctx, const AttentionShape& s, const char* fami
                                                  " is not compiled for " + ctx.arch() + " (compiled head_dims: " +
                                                  compiled_head_dims(ctx, family, s.dtype) + ")");
   return Status::Ok();
+}
+
+Status query_tiles(const Context& ctx, const AttentionShape& shape, int64_t* tiles) {
+  int64_t block_m = 0;
+  Status st = ctx.rules().constant("block_m", &block_m);
+  if (st.ok()) *tiles = shape.num_kv_heads * ceil_div(shape.group(), block_m);
+  return st;
 }
 
 }  // namespace flash_reasoning

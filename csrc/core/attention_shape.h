@@ -29,4 +29,9 @@ struct AttentionShape {
 // head_dim (`family` names the rule family to look up, e.g. "tree_final").
 Status check_shape(const Context& ctx, const AttentionShape& shape, const char* family);
 
+// Programs per KV head's group of query heads, times the KV heads: the decode-tile programs of
+// one sequence or branch (the manifest's block_m rows per tile, as Python's
+// dispatch.decode_tiles_per_kv_head).
+Status query_tiles(const Context& ctx, const AttentionShape& shape, int64_t* tiles);
+
 }  // namespace flash_reasoning

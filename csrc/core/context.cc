@@ -15,6 +15,7 @@ Status check_pointers(std::initializer_list<std::pair<const char*, const void*>>
                                                        std::to_string(kPointerAlign) + "-byte aligned device pointer");
   return Status::Ok();
 }
+
 namespace {
 
 constexpr int kHostOnlySms = 132;  // an H100's: plans made without a device look like its plans

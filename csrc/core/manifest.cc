@@ -142,7 +142,7 @@ Status parse_rules(const Validator& v, const JsonValue& list, const std::string&
       return v.error(at, "must be [max_programs_per_sm or null, max_tokens or null, kernel name], bounds positive");
     auto it = index.find(rule.items[2].string);
     if (it == index.end()) return v.error(at, "names kernel '" + rule.items[2].string + "', not in the manifest");
-    parsed.max_tokens = tokens < 0 ? -1 : int64_t(tokens);
+    parsed.max_tokens = int64_t(tokens);  // -1: any
     parsed.kernel = it->second;
     out->push_back(parsed);
   }

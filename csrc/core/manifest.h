@@ -55,7 +55,8 @@ struct DispatchTable {
   std::unordered_map<std::string, int64_t> constants;                // e.g. "block_m"
   bool present() const { return !rules.empty(); }
 
-  // kNotFound when no rule serves `key` (a head_dim or dtype this build did not compile).
+  // kNotFound when the manifest has no rule list `key` (a head_dim or dtype this build did not
+  // compile); kInvalidManifest when a list built in memory ends without a rule for any launch.
   Status pick(const std::string& key, int64_t max_tokens, int64_t programs, int64_t num_sms, int* kernel) const;
   Status constant(const std::string& name, int64_t* value) const;
 };

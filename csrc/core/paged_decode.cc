@@ -9,7 +9,6 @@
 namespace flash_reasoning {
 namespace {
 
-
 struct Split {
   int64_t splits = 1;
   int64_t tiles = 0;  // programs per sequence
@@ -22,9 +21,7 @@ Status plan_split(const Context& ctx, const AttentionShape& s, int64_t num_seqs,
   if (num_seqs < 0 || max_blocks < 1 || max_blocks > INT_MAX || num_seqs > INT_MAX)
     return Status::Error(Code::kInvalidArgument, "num_seqs must be >= 0 and max_blocks in [1, 2^31), got " +
                                                      std::to_string(num_seqs) + " and " + std::to_string(max_blocks));
-  int64_t block_m = 0;
-  if (!(st = ctx.rules().constant("block_m", &block_m)).ok()) return st;
-  out->tiles = s.num_kv_heads * ceil_div(s.group(), block_m);
+  if (!(st = query_tiles(ctx, s, &out->tiles)).ok()) return st;
   out->splits = paged_decode_splits(ctx.rules(), num_seqs, out->tiles, max_blocks * s.block_size, ctx.num_sms());
   if (out->splits > 1) {
     out->partial_out_bytes = size_t(num_seqs * s.num_qo_heads * out->splits * s.head_dim) * 4;

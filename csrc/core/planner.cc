@@ -8,7 +8,6 @@
 namespace flash_reasoning {
 namespace {
 
-
 // Round half to even of x >= 0, as numpy's rint (no libm: the C library links only libc).
 int64_t round_half_even(double x) {
   int64_t whole = int64_t(x);
@@ -148,7 +147,7 @@ void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<i
     int64_t at = int64_t(flat->size());
     offsets->push_back(at);
     flat->insert(flat->end(), list->begin(), list->end());
-    flat->resize(size_t(at + std::max<int64_t>(4, ceil_div(int64_t(list->size()), 4) * 4)), 0);
+    flat->resize(size_t(at) + std::max<size_t>(4, align_up(list->size(), 4)), 0);
   }
 }
 

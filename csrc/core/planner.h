@@ -84,7 +84,8 @@ struct Plan {
 // The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,
 // entry_slot, then each ItemList's records, each in a slot of a multiple of 4 words (at least
 // 4), so every list's pointer is valid, distinct and 16-byte aligned. offsets[i] is list i's
-// first element.
+// first element, the lists in WorkList's order.
+enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kFirstItems = 4 };
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets);
 
 // The cost model, small pure functions.

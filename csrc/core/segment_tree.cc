@@ -4,6 +4,8 @@
 #include <cstring>
 #include <numeric>
 
+#include "int_math.h"
+
 namespace flash_reasoning {
 namespace {
 
@@ -227,7 +229,7 @@ Status tree_from_tables(int64_t num_rows, const int64_t* lengths, RowTable row_t
   for (int64_t i = 0; i < num_rows; ++i) {
     keys.blocks[i] = row_table(i);
     keys.full[i] = lengths[i] / block_size;
-    keys.max_columns = std::max(keys.max_columns, (lengths[i] + block_size - 1) / block_size);
+    keys.max_columns = std::max(keys.max_columns, ceil_div(lengths[i], block_size));
   }
   SegmentTree tree;
   tree.lengths.assign(lengths, lengths + num_rows);
@@ -268,7 +270,7 @@ bool tree_reads_block(const SegmentTree& tree, const int64_t* tables, const int6
                       int64_t block_size, int64_t block) {
   for (int64_t v = 0; v < tree.num_nodes(); ++v) {
     const int64_t* first = mirror_row(tables, rows, stride, tree.order[tree.node_lo[v]]);
-    const int64_t* last = first + (tree.node_end[v] - 1) / block_size + 1;
+    const int64_t* last = first + ceil_div(tree.node_end[v], block_size);  // node_end >= 1
     if (std::find(first + tree.node_start[v] / block_size, last, block) != last) return true;
   }
   return false;

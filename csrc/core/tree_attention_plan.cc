@@ -9,8 +9,6 @@ namespace flash_reasoning {
 namespace {
 
 constexpr size_t kRegionAlign = 256;
-enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kFirstItems = 4 };
-
 
 Status mismatch(const std::string& why) {
   return Status::Error(Code::kPlanMismatch, why + ": the plan no longer describes the tree; create a new plan");
@@ -100,9 +98,7 @@ Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, cons
   p->tables_ = dense_tables(shape, tree, p->max_blocks_);
   p->lengths_.assign(tree.lengths, tree.lengths + tree.num_branches);
   pack_work_lists(p->plan_, &p->work_, &p->work_offset_);
-  int64_t block_m = 0;
-  if (!(st = ctx.rules().constant("block_m", &block_m)).ok()) return st;
-  p->final_tiles_ = shape.num_kv_heads * ceil_div(shape.group(), block_m);
+  if (!(st = query_tiles(ctx, shape, &p->final_tiles_)).ok()) return st;
   if (!(st = p->pick_kernels()).ok()) return st;
   if (!(st = p->allocate_and_upload()).ok()) return st;
   *out = std::move(p);

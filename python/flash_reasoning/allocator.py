@@ -379,7 +379,7 @@ class PhysicalKVAllocator:
         ``start..start+n-1`` of the branch in ``layer``; ``start <= length`` and the branch
         grows to ``start + n`` when that is longer. Shared and zero blocks are copied first."""
         row = self._row(branch_id)
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         self._check_kv(k, v, None)
         length = int(self._lengths[row])
         start = as_int("start", start, low=0)
@@ -440,7 +440,7 @@ class PhysicalKVAllocator:
         ``step`` may be a list of branch ids when ``num_layers == 1``: then this is
         ``reserve`` plus the write. Returns the step."""
         n = (step.branch_ids if isinstance(step, DecodeStep) else _id_array(step)).size
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         self._check_kv(k, v, n)
         if isinstance(step, DecodeStep):
             self._check_current(step)
@@ -657,9 +657,6 @@ class PhysicalKVAllocator:
         if step.epoch != self._epoch:
             raise ValueError("step is stale: alloc_branch, free_branch or prune ran since "
                              "reserve(); reserve a new step from branch ids")
-
-    def _check_layer(self, layer: int) -> None:
-        check_layer(layer, self.num_layers)
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, n: int | None) -> None:
         rows = k.shape[0] if n is None and isinstance(k, torch.Tensor) and k.dim() else n

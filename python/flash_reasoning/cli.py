@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ def cmd_info(_args) -> int:
     print(f"artifacts: {runtime.artifact_root()}")
     print(f"C library: {_c_library()}")
     for arch in runtime.available_archs():
-        manifest = json.loads((runtime.artifact_root() / arch / "manifest.json").read_text())
+        manifest = runtime.load_manifest(arch)
         print(f"  {arch}: {len(manifest['kernels'])} kernels (triton "
               f"{manifest['triton_version']}, ptxas {manifest['ptxas_version']})")
         for kernel, labels in _configs_by_family(manifest).items():

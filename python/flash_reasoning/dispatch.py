@@ -1,8 +1,10 @@
 """Which precompiled specialization serves a call, and how the work is split.
 
-Small pure functions (no tensors, no device queries) so they can be read, tested and tuned in
-isolation. ``required_specs`` lists everything these functions can return for an arch: the AOT
-grid compiles at least that, and a test checks every manifest holds it.
+Small functions (no tensors, no device queries) so they can be read, tested and tuned in
+isolation; the rules they follow come from the arch's tuning table (``tuning_table``, read once
+and cached; ``reset`` forgets it) or the documented heuristics. ``required_specs`` lists
+everything these functions can return for an arch: the AOT grid compiles at least that, and a
+test checks every manifest holds it.
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
     if kernel == "tree_partial" and block_m != BLOCK_M:
         if arch == "sm89":
             return _any_launch((64, 8, 1) if head_dim == 256 else (64, 4, 2))
-        return _any_launch((64, 8, 2) if head_dim == 256 else (64, 4, 3))
+        return _any_launch(HEAD_DIM_256_CONFIG if head_dim == 256 else (64, 4, 3))
     if head_dim == 256:
         return _any_launch(HEAD_DIM_256_CONFIG)
     if kernel == "paged_decode_split":
@@ -107,6 +109,7 @@ def pick_rule(rule_list: Rules, max_tokens: int | None, programs: int | None = N
     raise ValueError(f"rules {rule_list} end without a rule for any launch")
 
 
+@functools.lru_cache(maxsize=None)  # a paged decode asks once per call
 def config_for(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None = None,
                block_m: int | None = None, programs: int | None = None,
                num_sms: int | None = None) -> Config:
@@ -144,7 +147,7 @@ def reset() -> None:
     """Forget the loaded tuning tables and the rules and specs made from them (after
     ``$FLASH_REASONING_TUNING`` changes)."""
     tuning_table.load.cache_clear()
-    for cached in (rules, decode_spec, tree_partial_spec, tree_final_spec):
+    for cached in (rules, config_for, decode_spec, tree_partial_spec, tree_final_spec):
         cached.cache_clear()
 
 
@@ -255,6 +258,17 @@ def num_splits(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: 
     wanted = math.ceil(2 * num_sms / programs)
     by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def split_reason(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: int,
+                 splits: int) -> str:
+    """Why :func:`num_splits` gives ``splits`` for these arguments."""
+    programs = num_seqs * programs_per_seq
+    if splits > 1:
+        return f"{programs} programs < {num_sms} SMs: split toward 2 programs per SM"
+    if programs == 0 or programs >= num_sms:
+        return f"{programs} programs: enough for {num_sms} SMs, or none"
+    return f"too short to split (< 2 x {MIN_TOKENS_PER_SPLIT} tokens)"
 
 
 def dispatch_rules(arch: str) -> dict:

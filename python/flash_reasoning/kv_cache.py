@@ -18,8 +18,9 @@ def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     """Write ``k[i]``/``v[i]`` (``[num_kv_heads, head_dim]`` each) into token slot ``slots[i]``.
 
     One kernel launch on CUDA tensors (the AOT ``append_kv`` kernel), plain indexing on CPU.
-    Slots must be distinct; the caller (the allocator) guarantees it. ``validate=False`` is
-    for a caller that has already checked k/v against these pools (the allocator's hot path).
+    ``validate`` checks k/v against the pools and the slots (integers inside the pool, distinct:
+    one sync); ``validate=False`` skips all of it, for a caller that guarantees them (the
+    allocator's hot path).
     """
     if validate:
         _check_write(k_pool, v_pool, slots, k, v)

@@ -66,15 +66,8 @@ def config_chosen(kernel: str, config: tuple[int, int, int], dtype: str, arch: s
 def splits_chosen(num_seqs: int, programs_per_seq: int, capacity: int, num_sms: int,
                   splits: int, given: bool) -> None:
     """One debug record: how many splits a paged decode takes, and why."""
-    programs = num_seqs * programs_per_seq
-    if given:
-        reason = "given by the caller"
-    elif splits == 1:
-        reason = f"{programs} programs: enough for {num_sms} SMs, or none" \
-            if programs == 0 or programs >= num_sms else \
-            f"too short to split (< 2 x {dispatch.MIN_TOKENS_PER_SPLIT} tokens)"
-    else:
-        reason = f"{programs} programs < {num_sms} SMs: split toward 2 programs per SM"
+    reason = "given by the caller" if given else dispatch.split_reason(
+        num_seqs, programs_per_seq, capacity, num_sms, splits)
     logger.debug("paged_decode: num_splits(num_seqs=%d, programs_per_seq=%d, capacity=%d, "
                  "num_sms=%d) -> %d (%s)", num_seqs, programs_per_seq, capacity, num_sms, splits,
                  reason)

@@ -7,6 +7,7 @@ and never compiles: a device with no matching cubins gets a clear error.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,11 @@ def artifact_root() -> Path:
     """The folder holding ``<arch>/manifest.json``; FLASH_REASONING_ARTIFACTS overrides."""
     override = os.environ.get("FLASH_REASONING_ARTIFACTS")
     return Path(override) if override else Path(__file__).resolve().parent / "_artifacts"
+
+
+def load_manifest(arch: str) -> dict:
+    """The AOT manifest of ``arch`` as data (the kernels compiled and their dispatch rules)."""
+    return json.loads((artifact_root() / arch / "manifest.json").read_text())
 
 
 def available_archs() -> list[str]:

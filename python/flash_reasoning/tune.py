@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import math
 import statistics
@@ -58,7 +59,8 @@ PROGRAMS_PER_SM_BANDS = (2, 8)
 
 @dataclass(frozen=True)
 class Sample:
-    """One timed launch: rule list ``key``, its workload, bucket, config and median time."""
+    """One timed launch: rule list ``key``, its workload, the most tokens one program walks,
+    its program count, the config and its median time."""
     key: str
     workload: str
     max_tokens: int
@@ -139,8 +141,7 @@ class Tuner:
         self.device = device
         self.arch = runtime.arch_of(device.index)
         self.num_sms = runtime.num_sms(device.index)
-        self.manifest = json.loads((runtime.artifact_root() / self.arch / "manifest.json")
-                                   .read_text())
+        self.manifest = runtime.load_manifest(self.arch)
         self.runs = runs
         self.samples: list[Sample] = []
 
@@ -235,8 +236,11 @@ def fixed_rules(arch: str, config: Config, manifest: dict) -> dict[str, Rules]:
 
 
 def rechoose(raw: Path, out: Path | None, bands: tuple[float, ...]) -> int:
-    """Write the table that :func:`choose` makes from a ``--raw`` file's timings."""
-    data = json.loads(Path(raw).read_text())
+    """Write the table that :func:`choose` makes from a ``--raw`` file's timings (gzipped
+    when its name ends in .gz, as the shipped ones in docs/results)."""
+    opener = gzip.open if str(raw).endswith(".gz") else open
+    with opener(raw, "rt") as f:
+        data = json.load(f)
     measured_on = data["measured_on"]
     if "num_sms" not in measured_on:
         raise SystemExit(f"{raw}: timings without program counts (an older tuner); tune again")
@@ -296,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                    "date": datetime.date.today().isoformat(), "flash_reasoning": __version__,
                    "torch": torch.__version__, "num_sms": runtime.num_sms(device.index)}
     if args.fixed:
-        manifest = json.loads((runtime.artifact_root() / arch / "manifest.json").read_text())
-        tuning_table.write(out, arch, fixed_rules(arch, args.fixed, manifest),
+        tuning_table.write(out, arch, fixed_rules(arch, args.fixed, runtime.load_manifest(arch)),
                            {**measured_on, "fixed": list(args.fixed)})
         print(f"wrote {out} (pinned {args.fixed})")
         return 0

@@ -96,7 +96,7 @@ typedef struct frPlanInfo {
   int32_t computed_nodes;      /* segments read once for all the branches below them */
   int32_t num_launches;        /* kernels per frPlanRun */
   int32_t max_blocks;          /* table columns the plan holds (growth room included) */
-  int64_t unique_tokens;       /* KV tokens read per run */
+  int64_t unique_tokens;       /* distinct KV tokens of the tree at creation */
   int64_t logical_tokens;      /* sum of the branch lengths */
   size_t workspace_bytes;      /* device memory the plan owns */
 } frPlanInfo;

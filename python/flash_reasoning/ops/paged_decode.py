@@ -66,12 +66,13 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
     kernel = "paged_decode_split" if num_splits > 1 else "paged_decode"
     per_program = math.ceil(capacity / num_splits)
     grid = (num_seqs, tiles, num_splits)
+    programs = math.prod(grid)
     config = config or dispatch.config_for(kernel, dtype, head_dim, arch, per_program,
-                                           programs=math.prod(grid), num_sms=num_sms)
+                                           programs=programs, num_sms=num_sms)
     if log.enabled():
         log.splits_chosen(num_seqs, tiles, capacity, num_sms, num_splits, given[0])
         log.config_chosen(kernel, config, dtype, arch, head_dim, per_program, given=given[1],
-                          programs=math.prod(grid), num_sms=num_sms)
+                          programs=programs, num_sms=num_sms)
     spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config)
     block_n = dict(spec.constexprs)["BLOCK_N"]
     tokens_per_split = math.ceil(per_program / block_n) * block_n
