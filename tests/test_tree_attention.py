@@ -257,7 +257,7 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
     out = poisoned_like(q)
     pointers = (q.data_ptr(), *(p.data_ptr() for p in pools), out.data_ptr() + 2)
     with pytest.raises(LauncherError, match=r"pointer 3 \('out'.*not 16-byte aligned"):
-        plan._prepared.run(pointers, runtime._current_raw_stream(q.device.index))
+        plan._prepared.run(pointers, runtime.current_raw_stream(q.device.index))
     torch.cuda.synchronize()
     assert out.isnan().all()
 

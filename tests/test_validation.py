@@ -458,3 +458,32 @@ def test_gpu_misaligned_and_strided_kv_rows_are_handled():
     dense.alloc.append(dense.step, 0, *dense.kv)
     dense.alloc.write(dense.ids[1], 1, *(t[:3] for t in dense.kv), start=2)
     assert same_contents(odd.alloc, dense.alloc)
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+@gpu
+def test_gpu_run_quick_check_accepts_only_what_the_full_check_accepts():
+    """``plan.run`` skips ``_validate`` when its quick check passes: every spoiled argument
+    must fail the quick check (and then the full one), the valid ones must pass both."""
+    w = make_world("cuda")
+    plan, q = w.plan, w.q
+    out = torch.empty_like(q)
+    spoiled = {"float32": q.float(), "rows": q[1:], "4-D": q[None], "strides": noncontiguous(q),
+               "misaligned": misaligned(q), "cpu": q.cpu(), "list": [q]}
+    for name, bad in spoiled.items():
+        for args in ((bad, 0, None), (q, 0, bad)):
+            assert not plan._quick_check(*args), name
+            with pytest.raises((TypeError, ValueError)):
+                plan._validate(*args)
+    for layer in (True, np.int64(0), -1, w.alloc.num_layers, 0.0):
+        assert not plan._quick_check(q, layer, out), repr(layer)
+    for args in ((q, 0, None), (q, 0, out), (q, w.alloc.num_layers - 1, out)):
+        assert plan._quick_check(*args)
+        plan._validate(*args)
+    # a subclass takes the full check, which accepts it
+    sub = q.as_subclass(_Subclass)
+    assert not plan._quick_check(sub, 0, out)
+    plan._validate(sub, 0, out)

@@ -95,7 +95,7 @@ def _check_package_version(built_for: str, manifest: Path) -> None:
 def run(launches: Sequence[Launch], device: torch.device) -> None:
     """Launch each in order on the current stream of ``device``; no sync, no allocation."""
     launcher = _launcher_for(device.index)
-    stream = _current_raw_stream(device.index)
+    stream = current_raw_stream(device.index)
     for launch in launches:
         launcher.launch(launch.spec.name, launch.grid, [_raw(a) for a in launch.args], stream)
 
@@ -114,14 +114,16 @@ def prepare(build: Callable[..., Sequence[Launch]], holes: Sequence[str], device
     return _launcher_for(device.index).prepare(specs, list(holes))
 
 
-def _current_raw_stream(device_index: int) -> int:
-    """The cudaStream_t of torch's current stream: the private call torch's own generated
-    code uses costs 0.1 us on the H100 host, ``torch.cuda.current_stream().cuda_stream``
-    3.6 us."""
+def _raw_stream_getter() -> Callable[[int], int]:
+    """device index -> the cudaStream_t of torch's current stream: the private call torch's
+    own generated code uses costs 0.1 us on the H100 host, ``torch.cuda.current_stream()
+    .cuda_stream`` 3.6 us (the fallback, for a torch without it)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+    return raw or (lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+#: The cudaStream_t of torch's current stream on a device index (resolved once, at import).
+current_raw_stream = _raw_stream_getter()
 
 
 def _raw(arg):

@@ -45,8 +45,11 @@ GROUPS = (1, 4, 8)
 #: Two-level trees: a shared prefix, then one leaf per branch.
 PREFIXES, BRANCHES, LEAVES = (256, 2048), (1, 4, 16, 64, 256, 1024), (8, 32, 64, 128, 512)
 #: Deeper trees (nodes per level, tokens per level but the last), leaves of these lengths: a
-#: final range then merges a partial per computed level.
-DEEP_TREES = (((1, 4, 64), (1024, 128)), ((1, 4, 16, 256), (512, 256, 64)))
+#: final range then merges a partial per computed level. The third is FastTree's four-level
+#: tree: its wide launch mixes a 1280-token range with many short ones, where BLOCK_N 32 beats
+#: the 64 that long ranges alone prefer (H100: 75.3 against 83.1 us).
+DEEP_TREES = (((1, 4, 64), (1024, 128)), ((1, 4, 16, 256), (512, 256, 64)),
+              ((1, 4, 16, 512), (1024, 256, 128)))
 DEEP_LEAVES = (16, 64, 256)
 PAGED_SEQS, PAGED_LENGTHS = (1, 4, 16, 64, 256), (16, 64, 256, 1024, 4096, 16384)
 #: Paged workloads larger than this many tokens are skipped (memory and time).

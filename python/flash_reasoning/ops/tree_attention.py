@@ -18,7 +18,7 @@ import torch
 
 from .. import dispatch, log, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
-from ..runtime import Launch
+from ..runtime import POINTER_ALIGN, Launch
 from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
@@ -86,6 +86,12 @@ class TreeAttentionPlan:
         self.refresh()
         self._templates = self._launch_templates(tree.lengths) if self.arch else []
         self._prepared = None  # the templates' launches, packed by the launcher on first run
+        # What run's quick check compares against (None: a CPU plan, which takes the full one).
+        self._cuda_index = device.index if device.type == "cuda" else None
+        self._io_shape = (self.num_branches, self.num_qo_heads, self.head_dim)
+        # The allocator's pools are allocated once and never replaced: their pointers per layer.
+        self._pool_pointers = [(k.data_ptr(), v.data_ptr())
+                               for k, v in zip(allocator.k_pools, allocator.v_pools)]
 
     @property
     def num_branches(self) -> int:
@@ -113,7 +119,8 @@ class TreeAttentionPlan:
             ) -> torch.Tensor:
         """Attention of ``q[i]`` (``[num_branches, num_qo_heads, head_dim]``, the pool's
         dtype) over branch ``branch_ids[i]`` in ``layer``; returns ``out``."""
-        self._validate(q, layer, out)
+        if not self._quick_check(q, layer, out):
+            self._validate(q, layer, out)  # raises, saying what is wrong (or passes a subclass)
         self.refresh()
         out = torch.empty_like(q) if out is None else out
         if q.is_cuda:
@@ -134,10 +141,8 @@ class TreeAttentionPlan:
         if prepared is None:
             prepared = self._prepared = runtime.prepare(self.launches, PER_CALL_POINTERS,
                                                         q.device)
-        alloc = self.allocator
-        prepared.run((q.data_ptr(), alloc.k_pools[layer].data_ptr(),
-                      alloc.v_pools[layer].data_ptr(), out.data_ptr()),
-                     runtime._current_raw_stream(alloc.device.index))
+        prepared.run((q.data_ptr(), *self._pool_pointers[layer], out.data_ptr()),
+                     runtime.current_raw_stream(self._cuda_index))
 
     def launches(self, q, k_pool, v_pool, out) -> list[Launch]:
         """The partial launch of each tile size, then the final launch: the templates built
@@ -196,6 +201,20 @@ class TreeAttentionPlan:
         self._work = torch.from_numpy(arrays.work).to(device)
         (self._order, self._final_start, self._merge_ptr, self._entry_slot,
          *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
+
+    def _quick_check(self, q, layer, out) -> bool:
+        """Whether a CUDA plan's ``run`` arguments certainly pass :meth:`_validate`: the same
+        conditions as identity and integer compares (about a third of its host time, which
+        counts against the per-layer launch budget). False sends them to the full check."""
+        index = self._cuda_index
+        return (index is not None and type(layer) is int
+                and 0 <= layer < self.allocator.num_layers
+                and self._fits(q, index) and (out is None or self._fits(out, index)))
+
+    def _fits(self, t, index: int) -> bool:
+        return (type(t) is torch.Tensor and t.dtype is self.allocator.dtype and t.is_cuda
+                and t.get_device() == index and t.shape == self._io_shape
+                and t.is_contiguous() and not t.data_ptr() % POINTER_ALIGN)
 
     def _validate(self, q, layer, out) -> None:
         expected = (self.num_branches, self.num_qo_heads, self.head_dim)
