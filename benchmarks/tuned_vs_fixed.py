@@ -95,8 +95,8 @@ def confirm_losses(case: dict, row: dict, tables: dict[str, Path | None],
                    runs: int) -> None:
     """For each candidate a fixed config beat by more than ``tolerance``: the two timed
     again on their own; ``row["confirm"][candidate]`` records the config and both times."""
+    best = min(fixed_names, key=row["us"].get)
     for name in candidates:
-        best = min(fixed_names, key=row["us"].get)
         if row["us"][name] <= (1 + tolerance) * row["us"][best]:
             continue
         again = run_case(case, {"tuned": tables[name], best: tables[best]}, runs)

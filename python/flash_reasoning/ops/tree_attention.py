@@ -204,8 +204,8 @@ class TreeAttentionPlan:
 
     def _quick_check(self, q, layer, out) -> bool:
         """Whether a CUDA plan's ``run`` arguments certainly pass :meth:`_validate`: the same
-        conditions as identity and integer compares (about a third of its host time, which
-        counts against the per-layer launch budget). False sends them to the full check."""
+        conditions as identity and integer compares, with no message to build (H100 host:
+        2.8 against 3.3 us, per layer and step). False sends them to the full check."""
         index = self._cuda_index
         return (index is not None and type(layer) is int
                 and 0 <= layer < self.allocator.num_layers
@@ -217,14 +217,13 @@ class TreeAttentionPlan:
                 and t.is_contiguous() and not t.data_ptr() % POINTER_ALIGN)
 
     def _validate(self, q, layer, out) -> None:
-        expected = (self.num_branches, self.num_qo_heads, self.head_dim)
         for name, t in (("q", q), ("out", out)):
             if t is None:  # out only
                 continue
             check_tensor(name, t, self.allocator.dtype, self.allocator.device, "the allocator")
-            if tuple(t.shape) != expected:
+            if tuple(t.shape) != self._io_shape:
                 raise ValueError(f"{name} must be [num_branches, num_qo_heads, head_dim] = "
-                                 f"{expected}, got {tuple(t.shape)}")
+                                 f"{self._io_shape}, got {tuple(t.shape)}")
         check_layer(layer, self.allocator.num_layers)
 
 
