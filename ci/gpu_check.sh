@@ -52,6 +52,9 @@ fi
 if [ -n "${EXPLORE_ATTEND:-}" ]; then
   log=attend.log step "explore attention loop variants" env PYTHONPATH=. python3 ci/explore_attend.py || status=1
 fi
+if [ -n "${EXPLORE_MERGE:-}" ]; then
+  log=explore_merge.log step "explore merge modes" env PYTHONPATH=. python3 ci/explore_merge.py || status=1
+fi
 if [ -n "${EXPLORE_DECODE:-}" ]; then
   log=explore.log step "explore decode splits" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
 fi

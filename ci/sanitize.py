@@ -1,8 +1,8 @@
 """Runs every kernel at least once on edge-shaped trees, for compute-sanitizer (ci/sanitize.sh).
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
-copies of copy-on-write, tree_partial (both tiles) and tree_final, paged_decode unsplit and
-split, merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
+copies of copy-on-write, tree_partial (both tiles, closed and open items), tree_final and
+tree_merge (plans of both merge modes), paged_decode unsplit and split, merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
 
@@ -125,18 +125,22 @@ def queries(alloc, ids, group, seed=0):
     return q.to(alloc.dtype).to(DEVICE)
 
 
-def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)) -> None:
-    """tree_attention in every layer (one plan per chunking), then paged_decode over the same
-    branches unsplit and split in four (the merge kernel)."""
+def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,),
+               merges=(None,)) -> None:
+    """tree_attention in every layer (one plan per chunking and merge mode), then paged_decode
+    over the same branches unsplit and split in four (the merge kernel)."""
     q = queries(alloc, ids, group)
     refs = [reference.tree_attention(q, alloc, ids, layer) for layer in range(alloc.num_layers)]
     for chunk in chunks:
-        plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk)
-        check.tiles.update(plan.arrays.items)
-        for layer in range(alloc.num_layers):
-            out = plan.run(q, layer, torch.full_like(q, float("nan")))
-            check(f"{name}: tree_attention layer {layer}, chunk {chunk}, partial tiles "
-                  f"{sorted(plan.arrays.items)}", out, refs[layer])
+        for merge in merges:
+            plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
+                                     separate_merge=merge)
+            check.tiles.update(plan.arrays.items)
+            for layer in range(alloc.num_layers):
+                out = plan.run(q, layer, torch.full_like(q, float("nan")))
+                check(f"{name}: tree_attention layer {layer}, chunk {chunk}, separate merge "
+                      f"{plan.arrays.separate_merge}, partial tiles {sorted(plan.arrays.items)}",
+                      out, refs[layer])
     tables, lengths = alloc.block_tables(ids)
     device = q.device
     for splits in (1, 4):
@@ -159,10 +163,11 @@ def main() -> int:
                                              (torch.bfloat16, 2, 64, 1),
                                              (torch.float16, 2, 256, 8)):
         name = f"edges {str(dtype)[6:]} d{head_dim} kv{kv_heads} group {group}"
-        check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16))
+        check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16),
+                   merges=(False, True))
     for leaves in (4, 8):
         check_tree(check, f"shared prefix x{leaves}", *shared_prefix_tree(leaves), 4,
-                   chunks=(None, 64))
+                   chunks=(None, 64), merges=(False, True))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
           f"tiles run: {sorted(check.tiles)}", flush=True)

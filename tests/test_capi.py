@@ -530,8 +530,23 @@ def seed_like_tree(dtype, head_dim, device="cuda"):
                                     dtype=str(dtype).split(".")[-1]), device=device)
 
 
+def long_branches_tree(dtype, head_dim, device="cuda"):
+    """Two branches of 3000 tokens that share 2960: the planner merges separately."""
+    from flash_reasoning.bench import case_allocator, seed_case
+    return case_allocator(seed_case(2, prefix=2960, leaf=40, num_kv_heads=8, head_dim=head_dim,
+                                    dtype=str(dtype).split(".")[-1]), device=device)
+
+
+def test_long_branches_tree_merges_separately():
+    from flash_reasoning import TreeAttentionPlan
+    alloc, ids = long_branches_tree(torch.float16, 128, device="cpu")
+    assert TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays.separate_merge
+    alloc, ids = seed_like_tree(torch.float16, 128, device="cpu")
+    assert not TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays.separate_merge
+
+
 @gpu
-@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree])
+@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)
@@ -545,12 +560,13 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 
 
 @gpu
-def test_gpu_plan_update_after_append(api, gpu_context):
-    alloc, ids = seed_like_tree(torch.float16, 128)
+@pytest.mark.parametrize("make_tree, length", [(seed_like_tree, 1040), (long_branches_tree, 3000)])
+def test_gpu_plan_update_after_append(api, gpu_context, make_tree, length):
+    alloc, ids = make_tree(torch.float16, 128)
     rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, 32))
     assert rc == FR_OK, msg
     assert decode_steps(api, plan, alloc, ids, stream(api)) == [(FR_OK, "")] * DECODE_STEPS
-    assert api.info(plan)["logical_tokens"] == len(ids) * (1040 + DECODE_STEPS)
+    assert api.info(plan)["logical_tokens"] == len(ids) * (length + DECODE_STEPS)
     torch.manual_seed(0)
     q = torch.randn(len(ids), 32, 128, device="cuda").half()
     assert_matches_python(run_plan(api, plan, alloc, q), q, alloc, ids)

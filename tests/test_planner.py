@@ -20,15 +20,30 @@ def plan_for(alloc, ids, num_qo_heads, **kw):
 
 
 def coverage(tree, arrays):
-    """Per row: a count of how often each token position is read (chunks + final range)."""
+    """Per row: a count of how often each token position is read (chunks + final range, or
+    the open chunks when the plan merges separately)."""
     count = np.zeros((tree.branch_ids.size, int(tree.lengths.max(initial=0)) + 1), np.int64)
     for c in range(arrays.chunk_start.size):
         rows = arrays.order[arrays.chunk_row_ptr[c]:arrays.chunk_row_ptr[c]
                             + arrays.chunk_rows[c]]
         count[rows, arrays.chunk_start[c]:arrays.chunk_end[c]] += 1
     for b, length in enumerate(tree.lengths):
-        count[b, arrays.final_start[b]:length] += 1
+        if not arrays.separate_merge:
+            count[b, arrays.final_start[b]:length] += 1
     return count
+
+
+def check_open_chunks(tree, arrays):
+    """Separate merge: each row's last chunk, from final_start, is its one open chunk (it
+    follows the row's growth); otherwise no chunk is open."""
+    opened = np.flatnonzero(arrays.chunk_open)
+    if not arrays.separate_merge:
+        assert opened.size == 0
+        return
+    assert arrays.chunk_table_row[opened].tolist() == list(range(tree.branch_ids.size))
+    assert (arrays.chunk_rows[opened] == 1).all()
+    assert (arrays.chunk_start[opened] == arrays.final_start).all()
+    assert (arrays.chunk_end[opened] == tree.lengths).all()
 
 
 def check_plan(tree, arrays, group):
@@ -37,6 +52,7 @@ def check_plan(tree, arrays, group):
         assert (count[b, :length] == 1).all(), f"row {b}: positions read {count[b, :length]}"
         assert (count[b, length:] == 0).all()
     # Each branch merges exactly the slots its chunks' partials were stored in.
+    check_open_chunks(tree, arrays)
     assert sorted(arrays.entry_slot.tolist()) == list(range(arrays.num_entries))
     for b in range(tree.branch_ids.size):
         slots = np.arange(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])
@@ -49,23 +65,25 @@ def check_plan(tree, arrays, group):
     seen = {}
     for block_m, records in arrays.items.items():
         for rec in records:
-            (table_row, start, end, row_ptr, rows, first, entry0, _) = rec.tolist()
+            (table_row, start, end, row_ptr, rows, first, entry0, is_open) = rec.tolist()
             for f in range(first, min(first + block_m, rows * group)):
                 key = (entry0 + f // group, f % group)
                 assert key not in seen
-                seen[key] = (start, end)
+                seen[key] = (start, end, is_open)
     assert len(seen) == arrays.num_entries * group
 
 
 @settings(max_examples=60, deadline=None)
 @given(branches=st.integers(1, 40), depth=st.integers(1, 10), tokens=st.integers(0, 70),
        group=st.sampled_from([1, 2, 4, 8, 16]), chunk=st.sampled_from([None, 64, 128]),
-       seed=st.integers(0, 2**16))
-def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, seed):
+       merge=st.sampled_from([None, False, True]), seed=st.integers(0, 2**16))
+def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, merge, seed):
     alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
     ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=1 + seed % 2)
-    tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk)
+    tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk, separate_merge=merge)
     check_plan(tree, arrays, group)
+    if merge is not None:
+        assert arrays.separate_merge == merge
 
 
 def test_seed_b256_root_is_computed_once_and_leaves_fold():
@@ -94,7 +112,25 @@ def test_no_sharing_splits_a_lone_long_branch():
     root = alloc.alloc_branch(32768).branch_id
     tree, arrays = plan_for(alloc, [root], 32)
     assert arrays.chunk_start.size > 16      # split so the 8 KV heads fill 132 SMs
+    assert arrays.separate_merge             # too many partials to fold one by one
     check_plan(tree, arrays, 4)
+
+
+@pytest.mark.parametrize("name, separate", [
+    ("seed_b256/q32kv8", False),   # 64 leaf tokens + the root's 2 partials: a short walk
+    ("ft_deep16/q32kv8", False),
+    ("long_1,4/q16kv1", True),     # a 32768-token root in 128 chunks: 128 partials to fold
+    ("seed_b1/q32kv8", True),      # one branch: its last 192 tokens, then 6 partials
+    ("flat_64x2048/q32kv8", False),  # no partials: the final kernel does everything
+])
+def test_merges_separately_when_a_final_walk_is_long(name, separate):
+    case = next(c for c in load_cases()["cases"] if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    tree, arrays = plan_for(alloc, leaves, case["num_qo_heads"])
+    assert arrays.separate_merge == separate
+    forced = plan_for(alloc, leaves, case["num_qo_heads"], separate_merge=not separate)[1]
+    assert forced.separate_merge != separate
+    check_plan(tree, forced, case["num_qo_heads"] // case["num_kv_heads"])
 
 
 def test_empty_branches_plan_to_empty_ranges():

@@ -52,12 +52,34 @@ def interpret(alloc, ids, q, **plan_kw):
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2), (8, 2), (16, 1)])   # groups 1, 2, 4, 16
-def test_kernels_interpreted(dtype, heads):
+@pytest.mark.parametrize("separate", [False, True])
+def test_kernels_interpreted(dtype, heads, separate):
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=200, seed=heads[0])
     q = queries(alloc, ids, heads[0])
-    plan, out = interpret(alloc, ids, q, target_chunk=64)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate)
     assert plan.arrays.num_entries > 0           # partials and merges were exercised
+    assert plan.arrays.separate_merge == separate
     check(out, q, alloc, ids)
+
+
+@interpreter
+def test_separate_merge_follows_growth_interpreted():
+    """A plan that merges separately reads each branch's last chunk to its length at run
+    time: after decode steps (and one branch left behind, shorter than the rest) it still
+    matches the reference."""
+    from aot.interpret import run_interpreted
+    alloc, ids = forest("cpu", tokens=120, seed=5)
+    plan = TreeAttentionPlan(alloc, ids, 4, num_sms=4, arch="sm90", target_chunk=64,
+                             separate_merge=True)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        step = alloc.reserve(ids[1:])
+        alloc.append(step, 0, *random_kv(alloc, gen, len(ids) - 1))
+        plan.refresh()
+        q = queries(alloc, ids, 4)
+        out = poisoned_like(q)
+        run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+        check(out, q, alloc, ids)
 
 
 @interpreter
@@ -88,20 +110,21 @@ def test_kernels_interpreted_wide_tiles_and_group_32():
 @settings(max_examples=40, deadline=None)
 @given(branches=st.integers(1, 30), depth=st.integers(1, 10), tokens=st.integers(0, 50),
        group=st.sampled_from([1, 2, 4, 8, 16]), dtype=st.sampled_from(DTYPES),
-       chunk=st.sampled_from([None, 64]), seed=st.integers(0, 2**16))
-def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, seed):
+       chunk=st.sampled_from([None, 64]), merge=st.sampled_from([None, False, True]),
+       seed=st.integers(0, 2**16))
+def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, merge, seed):
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, dtype=dtype, branches=branches,
                         depth=depth, tokens=tokens, seed=seed, block_size=4,
                         roots=1 + seed % 3)
     q = queries(alloc, ids, group, seed)
-    out = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk).run(q, 0,
-                                                                       poisoned_like(q))
-    check(out, q, alloc, ids)
+    plan = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk, separate_merge=merge)
+    check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
-def test_plan_follows_decode_steps_and_rejects_a_changed_tree():
+@pytest.mark.parametrize("separate", [False, True])
+def test_plan_follows_decode_steps_and_rejects_a_changed_tree(separate):
     alloc, ids = forest("cpu", layers=2, seed=3)
-    plan = TreeAttentionPlan(alloc, ids, 4)
+    plan = TreeAttentionPlan(alloc, ids, 4, separate_merge=separate)
     gen = torch.Generator().manual_seed(9)
     for _ in range(3):                     # steps only grow the branches: the plan holds
         step = alloc.reserve(ids)
@@ -161,8 +184,10 @@ def test_bad_input_is_rejected_without_state_change(bad, error, match):
     assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
 
 
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk):
+@pytest.mark.parametrize("chunk, separate, last", [(None, False, "tree_final"),
+                                                   (8, False, "tree_final"),
+                                                   (8, True, "tree_merge")])
+def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk, separate, last):
     """On CPU, with the sm90 manifest: the plan's launches, placeholders for the per-call
     pointers, pass every launcher check (argument count and types, the plan's buffers
     aligned, each placeholder on a pointer parameter); a bad pointer is refused by name
@@ -170,14 +195,15 @@ def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk):
     if "sm90" not in runtime.available_archs():  # a GPU machine builds its own arch only
         pytest.skip("the sm90 artifacts are not built here")
     alloc, ids = forest("cpu", num_kv_heads=8, head_dim=128, tokens=200)
-    plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk)
+    plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk,
+                             separate_merge=separate)
     launcher = _launcher.Launcher(runtime.artifact_root() / "sm90", 0)
     monkeypatch.setattr(runtime, "_launcher_for", lambda device_index: launcher)
     prepared = runtime.prepare(plan.launches, PER_CALL_POINTERS, alloc.device)
     assert prepared.holes == list(PER_CALL_POINTERS)
     assert prepared.num_launches == len(plan._templates) >= 2
-    with pytest.raises(LauncherError, match=r"pointer 3 \('out', passed as argument 'out' of "
-                                            r"kernel 'tree_final_.*0x48, not 16-byte aligned"):
+    with pytest.raises(LauncherError, match=rf"pointer 3 \('out', passed as argument 'out' of "
+                                            rf"kernel '{last}_.*0x48, not 16-byte aligned"):
         prepared.run((16, 32, 48, 72), 0)
     with pytest.raises(LauncherError, match=r"pointer 1 \('k_pool', .* is null"):
         prepared.run((16, 0, 48, 64), 0)
@@ -202,8 +228,9 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
                         branches=branches, depth=depth, tokens=tokens, seed=seed,
                         block_size=16, roots=1 + seed % 2)
     q = queries(alloc, ids, group * kv_heads, seed)
-    out = TreeAttentionPlan(alloc, ids, q.shape[1]).run(q, 0, poisoned_like(q))
-    check(out, q, alloc, ids)
+    for separate in (None, not TreeAttentionPlan(alloc, ids, q.shape[1]).arrays.separate_merge):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate)
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
 @gpu

@@ -74,3 +74,15 @@ def merge_partial(m, denom, acc, lse, part):
     scale = tl.exp(m - ref)
     w = tl.exp(lse - ref)
     return m_new, denom * scale + w, acc * scale[:, None] + part * w[:, None]
+
+
+@triton.jit
+def merge_block(m, denom, acc, lse, part):
+    """Fold a block of one row's partials (``lse`` [S], ``part`` [S, HEAD_DIM] normalised,
+    masked slots with lse -inf) into its merge state (``m`` [1] the largest LSE so far,
+    ``acc``/``denom`` scaled by exp(-m)). All-empty rows stay (-inf, 0, 0), never NaN."""
+    m_new = tl.maximum(m, tl.max(lse, 0))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp(lse - ref)
+    scale = tl.exp(m - ref)
+    return m_new, denom * scale + tl.sum(w, 0), acc * scale + tl.sum(part * w[:, None], 0)

@@ -2,6 +2,8 @@
 import triton
 import triton.language as tl
 
+from .attention_core import merge_block
+
 
 @triton.jit
 def merge_splits(partial_out, partial_lse, out, num_splits,
@@ -15,15 +17,8 @@ def merge_splits(partial_out, partial_lse, out, num_splits,
         s = s0 + tl.arange(0, BLOCK_S)
         s_ok = s < num_splits
         lse = tl.load(partial_lse + row * num_splits + s, mask=s_ok, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        # All-empty so far: keep the reference point finite so exp() gives 0, not NaN.
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp(lse - ref)
         part = tl.load(partial_out + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
                        mask=s_ok[:, None], other=0.0)
-        scale = tl.exp(m - ref)
-        denom = denom * scale + tl.sum(w, 0)
-        acc = acc * scale + tl.sum(part * w[:, None], 0)
-        m = m_new
+        m, denom, acc = merge_block(m, denom, acc, lse, part)
     o = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out + row * HEAD_DIM + d, o.to(out.dtype.element_ty))

@@ -13,13 +13,18 @@ final range ``[final_start, seq_len)``, then the log-sum-exp merge with the bran
 slots ``[merge_ptr[b], merge_ptr[b + 1])`` (addressed directly, no index load in the
 chain), then the output. The final range's end is read on the device, so a plan
 stays valid while the branches only grow.
+
+A plan that merges separately (``Plan.separate_merge``: some branch has many partials, which
+``tree_final`` would fold one after another) has no final launch: every chunk of every final
+range is a ``tree_partial`` item, the last one *open* (it reads to its branch's current
+length), and ``tree_merge`` folds each (branch, head) row's slots, ``BLOCK_S`` at a time.
 """
 import triton
 import triton.language as tl
 
 from flash_reasoning.specializations import TREE_ITEM_FIELDS
 
-from .attention_core import attend, group_rows, merge_partial, normalise
+from .attention_core import attend, group_rows, merge_block, merge_partial, normalise
 
 ITEM_STRIDE = tl.constexpr(len(TREE_ITEM_FIELDS))
 TABLE_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("table_row"))
@@ -29,11 +34,12 @@ ROW_PTR = tl.constexpr(TREE_ITEM_FIELDS.index("row_ptr"))
 NUM_ROWS = tl.constexpr(TREE_ITEM_FIELDS.index("num_rows"))
 FIRST_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("first_flat_row"))
 ENTRY0 = tl.constexpr(TREE_ITEM_FIELDS.index("entry0"))
+OPEN_END = tl.constexpr(TREE_ITEM_FIELDS.index("open_end"))
 
 
 @triton.jit
-def tree_partial(q, k_pool, v_pool, block_tables, order, items, entry_slot, partial_out,
-                 partial_lse,
+def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_slot,
+                 partial_out, partial_lse,
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
@@ -48,9 +54,15 @@ def tree_partial(q, k_pool, v_pool, block_tables, order, items, entry_slot, part
 
     q_rows = branch.to(tl.int64) * num_qo_heads + head
     qt = tl.load(q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
-    table = block_tables + tl.load(item + TABLE_ROW).to(tl.int64) * max_blocks
+    table_row = tl.load(item + TABLE_ROW)
+    table = block_tables + table_row.to(tl.int64) * max_blocks
+    # An open item ends at its row's length now (clamped to the table), not at planning.
+    is_open = tl.load(item + OPEN_END) != 0
+    seq_len = tl.minimum(tl.load(seq_lens + table_row, mask=is_open, other=0),
+                         max_blocks * page_size)
+    kv_end = tl.where(is_open, seq_len, tl.load(item + KV_END))
     m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size,
-                           tl.load(item + KV_START), tl.load(item + KV_END), sm_scale_log2,
+                           tl.load(item + KV_START), kv_end, sm_scale_log2,
                            HEAD_DIM, BLOCK_M, BLOCK_N)
     o, lse = normalise(m_i, l_i, acc)
     slot = tl.load(entry_slot + tl.load(item + ENTRY0) + local, mask=row_ok, other=0)
@@ -87,3 +99,26 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, final_start, merge_ptr
     o = o / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out + q_rows[:, None] * HEAD_DIM + d[None, :], o.to(out.dtype.element_ty),
              mask=row_ok[:, None])
+
+
+@triton.jit
+def tree_merge(merge_ptr, partial_out, partial_lse, out, num_qo_heads,
+               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    end = tl.load(merge_ptr + seq + 1)
+    for s0 in range(tl.load(merge_ptr + seq), end, BLOCK_S):
+        slot = s0 + tl.arange(0, BLOCK_S)
+        ok = slot < end
+        part = slot.to(tl.int64) * num_qo_heads + head
+        lse = tl.load(partial_lse + part, mask=ok, other=float("-inf"))
+        o_part = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
+                         other=0.0)
+        m, denom, acc = merge_block(m, denom, acc, lse, o_part)
+    o = acc / tl.where(denom > 0, denom, 1.0)
+    row = seq.to(tl.int64) * num_qo_heads + head
+    tl.store(out + row * HEAD_DIM + d, o.to(out.dtype.element_ty))

@@ -1,6 +1,7 @@
 #include "planner.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 #include "int_math.h"
@@ -24,11 +25,21 @@ int64_t tile_rows(int64_t flat_rows, const PlanShape& shape) {
 // themselves (H200, seed_b256: the root in two chunks 81.7 us, whole 90.9). Without, all the
 // ranges' work (their chunks are the partial launch).
 int64_t chunk_tokens(const std::vector<int64_t>& programs, const std::vector<int64_t>& lengths,
-                     int64_t num_computed, const PlanShape& shape) {
+                     int64_t num_computed, const PlanShape& shape, int64_t min_tokens) {
   size_t counted = num_computed ? size_t(num_computed) : programs.size();
   int64_t work = 0;
   for (size_t r = 0; r < counted; ++r) work += programs[r] * lengths[r];
-  return std::max(kMinChunkTokens, ceil_div(work, kWaves * shape.num_sms));
+  return std::max(min_tokens, ceil_div(work, kWaves * shape.num_sms));
+}
+
+// Each range's chunk length and number of pieces at `target` tokens per chunk.
+void cut_ranges(const std::vector<int64_t>& length, int64_t target, std::vector<int64_t>* step,
+                std::vector<int64_t>* pieces) {
+  step->resize(length.size()), pieces->resize(length.size());
+  for (size_t k = 0; k < length.size(); ++k) {
+    (*step)[k] = chunk_length(length[k], target);
+    (*pieces)[k] = std::max<int64_t>(1, ceil_div(length[k], (*step)[k]));
+  }
 }
 
 Status check_shape(const PlanShape& s) {
@@ -104,6 +115,36 @@ void merge_slots(const SegmentTree& t, Plan* p) {
   for (int64_t e = 0; e < p->num_entries; ++e) p->entry_slot[e] = next[owner[e]]++;
 }
 
+// The longest serial walk of a final-kernel program that merges partials: the KV tiles of its
+// row's last piece, then one step per partial (every piece of the computed ranges above the
+// row, and all but the last of its final range's). 0 when no row has partials.
+int64_t longest_final_walk(const SegmentTree& t, const Ranges& r, const std::vector<int64_t>& step,
+                           const std::vector<int64_t>& pieces) {
+  std::vector<int64_t> partials(t.num_rows(), 0), tiles(t.num_rows(), 0);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    bool is_final = int64_t(k) >= r.num_computed;
+    for (int64_t j = 0; j < r.rows[k]; ++j) partials[t.order[r.row_ptr[k] + j]] += pieces[k] - is_final;
+    if (is_final)
+      tiles[t.order[r.row_ptr[k]]] = ceil_div(r.hi[k] - r.lo[k] - (pieces[k] - 1) * step[k], kChunkAlign);
+  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < t.num_rows(); ++b)
+    if (partials[b]) longest = std::max(longest, tiles[b] + partials[b]);
+  return longest;
+}
+
+// Whether merging separately needs a partial launch of a tile size the final-kernel plan
+// has no item of (its final ranges' last pieces are items then).
+bool separate_merge_adds_launch(const Ranges& r, const std::vector<int64_t>& block_m,
+                                const std::vector<int64_t>& pieces) {
+  std::set<int64_t> sizes;
+  for (size_t k = 0; k < pieces.size(); ++k)
+    if (int64_t(k) < r.num_computed || pieces[k] > 1) sizes.insert(block_m[k]);
+  for (size_t k = size_t(r.num_computed); k < pieces.size(); ++k)
+    if (!sizes.count(block_m[k])) return true;
+  return false;
+}
+
 // The tree_partial records of each row tile: one per (chunk, tile).
 void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_t group, std::vector<ItemList>* out) {
   out->clear();
@@ -116,7 +157,7 @@ void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_
       if (chunk_block_m[c] != block_m) continue;
       for (int64_t tile = 0; tile < ceil_div(p.chunk_rows[c] * group, block_m); ++tile) {
         int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c], p.chunk_end[c], p.chunk_row_ptr[c],
-                            p.chunk_rows[c],      tile * block_m,   p.chunk_entry0[c], 0};
+                            p.chunk_rows[c],      tile * block_m,   p.chunk_entry0[c], p.chunk_open[c]};
         list.records.insert(list.records.end(), std::begin(record), std::end(record));
       }
     }
@@ -136,6 +177,10 @@ int64_t chunk_length(int64_t length, int64_t target) {
   int64_t pieces = std::max<int64_t>(1, round_half_even(double(length) / double(target)));
   int64_t per_piece = ceil_div(length, pieces);
   return std::max(kChunkAlign, ceil_div(per_piece, kChunkAlign) * kChunkAlign);
+}
+
+bool merge_separately(int64_t longest_final_walk, bool adds_launch) {
+  return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
 }
 
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets) {
@@ -167,19 +212,30 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
     programs[k] = ceil_div(r.rows[k] * shape.group(), block_m[k]) * shape.num_kv_heads;
   }
   Plan p;
-  p.chunk_tokens = options.target_chunk ? options.target_chunk : chunk_tokens(programs, length, r.num_computed, shape);
+  p.chunk_tokens = options.target_chunk ? options.target_chunk
+                                         : chunk_tokens(programs, length, r.num_computed, shape, kMinChunkTokens);
   p.computed_nodes = r.num_computed;
+  std::vector<int64_t> step, pieces;
+  cut_ranges(length, p.chunk_tokens, &step, &pieces);
+  p.separate_merge = options.separate_merge >= 0 ? options.separate_merge != 0
+                                                 : merge_separately(longest_final_walk(tree, r, step, pieces),
+                                                                    separate_merge_adds_launch(r, block_m, pieces));
+  // Unshared branches merged separately: their chunks are all the work, and cheap to merge.
+  if (p.separate_merge && !r.num_computed && !options.target_chunk) {
+    p.chunk_tokens = chunk_tokens(programs, length, 0, shape, kMinSeparateChunkTokens);
+    cut_ranges(length, p.chunk_tokens, &step, &pieces);
+  }
   std::vector<int64_t> chunk_block_m;
   for (size_t k = 0; k < num_ranges; ++k) {
-    int64_t step = chunk_length(length[k], p.chunk_tokens);
-    int64_t pieces = std::max<int64_t>(1, ceil_div(length[k], step));
     bool is_final = int64_t(k) >= r.num_computed;
-    // A final range's last chunk is the final kernel's: only the others become partials.
-    if (is_final) p.final_start.push_back(int32_t(r.lo[k] + (pieces - 1) * step));
-    for (int64_t within = 0; within < pieces - is_final; ++within) {
-      int64_t start = r.lo[k] + within * step;
+    int64_t last = pieces[k] - 1;
+    if (is_final) p.final_start.push_back(int32_t(r.lo[k] + last * step[k]));
+    // A final range's last chunk is the final kernel's, or an open partial when merging separately.
+    for (int64_t within = 0; within < pieces[k] - (is_final && !p.separate_merge); ++within) {
+      int64_t start = r.lo[k] + within * step[k];
       p.chunk_start.push_back(start);
-      p.chunk_end.push_back(std::min(start + step, r.hi[k]));
+      p.chunk_end.push_back(std::min(start + step[k], r.hi[k]));
+      p.chunk_open.push_back(is_final && within == last);
       p.chunk_rows.push_back(r.rows[k]);
       p.chunk_row_ptr.push_back(r.row_ptr[k]);
       p.chunk_table_row.push_back(r.table_row[k]);

@@ -10,7 +10,14 @@
 // read through its own block table): the final kernel computes it, merges the branch's partials
 // and writes the output. Long ranges are cut into chunks so the grid fills the GPU; every chunk
 // but a final range's last one becomes a partial work item, tiled over its (branch, query
-// head) rows. Python (flash_reasoning.planner) and the C ABI both plan through this file.
+// head) rows. A final-kernel program walks its range's KV tiles, then folds its branch's
+// partials one after another, a dependent round trip each, after the partial launch is done.
+// Once some program's walk is kSeparateMergeSteps long (kLaunchSteps more if that takes a
+// partial launch of one more tile size) the plan *merges separately*: every
+// chunk of every final range is a partial item too (the last one open: it reads to its
+// branch's length on the device), so they run in parallel, and a merge kernel folds each
+// (branch, head) row's partials in vectorised blocks, with no final kernel. Python
+// (flash_reasoning.planner) and the C ABI both plan through this file.
 #pragma once
 
 #include <array>
@@ -25,17 +32,26 @@ namespace flash_reasoning {
 // Re-read KV of a folded node costs this fraction of an HBM byte: its consumers run close
 // together in the grid, so most re-reads hit L2.
 constexpr double kRereadWeight = 0.5;
-// A chunk shorter than this costs more in partials than its parallelism gains.
+// A chunk shorter than this costs more in partials than its parallelism gains; merged
+// separately (vectorised), unshared branches' chunks pay down to the second (H100, one
+// 2112-token branch: 17.5 us in 256-token chunks, 15.4 in 128; docs/perf.md session 9).
 constexpr int64_t kMinChunkTokens = 256;
+constexpr int64_t kMinSeparateChunkTokens = 128;
 // Programs per SM the chunking aims for.
 constexpr int64_t kWaves = 2;
 // Chunk boundaries fall on multiples of the kernels' KV tile.
 constexpr int64_t kChunkAlign = 64;
+// Serial steps (KV tiles of kChunkAlign tokens + partials) of a final-kernel program from which
+// a separate merge wins, and the steps a partial launch of one more tile size costs (H100,
+// docs/perf.md session 9: a walk of 9 steps takes 13-14 us, the merge launch 6-13 us, a
+// launch of narrow leaf items 9 us).
+constexpr int64_t kSeparateMergeSteps = 8;
+constexpr int64_t kLaunchSteps = 4;
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
 constexpr std::array<const char*, 8> kTreeItemFields = {"table_row", "kv_start", "kv_end", "row_ptr",
-                                                        "num_rows",  "first_flat_row", "entry0", "unused"};
+                                                        "num_rows",  "first_flat_row", "entry0", "open_end"};
 
 // What the planner needs to know about the attention call and the GPU.
 struct PlanShape {
@@ -57,6 +73,7 @@ struct PlanShape {
 struct PlanOptions {
   int64_t target_chunk = 0;  // 0: from the cost model; else tokens per chunk (tuning)
   double reread_weight = kRereadWeight;
+  int separate_merge = -1;   // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
@@ -69,16 +86,20 @@ struct ItemList {
 
 // A plan on the host. Chunk c covers tokens [chunk_start[c], chunk_end[c]) read through
 // block-table row chunk_table_row[c], for the rows order[chunk_row_ptr[c]:+chunk_rows[c]],
-// whose partials are entries chunk_entry0[c] + j, stored in slot entry_slot[entry]. Row b's
-// final range is [final_start[b], its length); it merges slots merge_ptr[b]:merge_ptr[b + 1].
+// whose partials are entries chunk_entry0[c] + j, stored in slot entry_slot[entry]; an open
+// chunk (chunk_open[c]) ends at its row's length at run time instead. Row b's final range is
+// [final_start[b], its length); it merges slots merge_ptr[b]:merge_ptr[b + 1]. With
+// separate_merge, each final range is chunks too (its last one open) and no final kernel runs.
 struct Plan {
   std::vector<int32_t> order;
-  std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0;
+  std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0,
+      chunk_open;
   std::vector<ItemList> items;  // by increasing block_m, only tiles in use
   std::vector<int32_t> final_start, merge_ptr, entry_slot;
   int64_t num_entries = 0;
   int64_t computed_nodes = 0;
   int64_t chunk_tokens = 0;
+  bool separate_merge = false;
 };
 
 // The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,
@@ -92,6 +113,7 @@ void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<i
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
+bool merge_separately(int64_t longest_final_walk, bool adds_launch);
 
 // The work of one decode step over `tree`. kInvalidArgument for a bad shape or a plan whose
 // partials would overflow the kernels' int32 indexing.

@@ -134,15 +134,17 @@ Status TreeAttentionPlan::pick_kernels() {
     if (!st.ok()) return st;
     partial_kernels_.push_back(kernel);
   }
+  if (plan_.separate_merge) return ctx_.pick("tree_merge/" + shape_.rule_suffix(), -1, -1, &last_kernel_);
   return pick_final_kernel();
 }
 
 // By the longest final range, which grows with the leaves: picked again on each update.
 Status TreeAttentionPlan::pick_final_kernel() {
+  if (plan_.separate_merge) return Status::Ok();  // no final kernel
   int64_t longest = 0;
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
-  return ctx_.pick("tree_final/" + shape_.rule_suffix(), longest, num_branches() * final_tiles_, &final_kernel_);
+  return ctx_.pick("tree_final/" + shape_.rule_suffix(), longest, num_branches() * final_tiles_, &last_kernel_);
 }
 
 Status TreeAttentionPlan::allocate_and_upload() {
@@ -182,13 +184,19 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
   for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i)
     st = ctx_.launch(partial_kernels_[i], plan_.items[i].count(), shape_.num_kv_heads, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
-                      {"block_tables", device(d_tables_)}, {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
+                      {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
+                      {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
                       {"entry_slot", work(kEntrySlot)}, {"partial_out", device(d_partial_out_)},
                       {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols}},
                      stream);
   if (!st.ok()) return st;
-  return ctx_.launch(final_kernel_, num_branches(), final_tiles_, 1,
+  if (plan_.separate_merge)
+    return ctx_.launch(last_kernel_, num_branches(), shape_.num_qo_heads, 1,
+                       {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
+                        {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
+                       stream);
+  return ctx_.launch(last_kernel_, num_branches(), final_tiles_, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
                       {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)},

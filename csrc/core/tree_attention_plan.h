@@ -60,7 +60,7 @@ class TreeAttentionPlan {
   std::vector<int32_t> work_;     // order, final_start, merge_ptr, entry_slot, items: as on the device
   std::vector<int64_t> work_offset_;  // element offset of each of those lists in work_
   std::vector<int> partial_kernels_;  // per plan_.items entry
-  int final_kernel_ = -1;
+  int last_kernel_ = -1;     // tree_final, or tree_merge when the plan merges separately
   int64_t final_tiles_ = 0;  // tree_final programs per branch: the KV heads' GQA tiles
   CUdeviceptr workspace_ = 0;
   size_t workspace_bytes_ = 0;

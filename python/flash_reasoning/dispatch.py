@@ -14,12 +14,12 @@ import math
 from . import tuning_table
 from .tuning_table import Config, Rule, Rules
 from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
-                              TREE_PARTIAL, Spec, make_spec)
+                              TREE_MERGE, TREE_PARTIAL, Spec, make_spec)
 
 HEAD_DIMS = (64, 128, 256)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
 BLOCK_M = 16
-#: Splits merged per step of the merge kernel's loop.
+#: Splits (partial slots) merged per step of the merge kernels' loops.
 MERGE_BLOCK_S = 16
 APPEND_BLOCK = 1024
 #: A split shorter than this costs more in partial traffic than it gains in parallelism.
@@ -186,6 +186,14 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
 
 
 @functools.lru_cache(maxsize=None)
+def tree_merge_spec(dtype: str, head_dim: int) -> Spec:
+    """One (branch, query head) row per program, its partial slots MERGE_BLOCK_S at a time."""
+    check_dtype(dtype)
+    check_head_dim(head_dim)
+    return make_spec(TREE_MERGE, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
+
+
+@functools.lru_cache(maxsize=None)
 def append_spec() -> Spec:
     return make_spec(APPEND_KV, None, 4, 1, BLOCK=APPEND_BLOCK)
 
@@ -237,7 +245,7 @@ def required_specs(arch: str) -> list[Spec]:
     specs = [append_spec()]
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
-            specs.append(merge_spec(dtype, head_dim))
+            specs += [merge_spec(dtype, head_dim), tree_merge_spec(dtype, head_dim)]
             for rule_list in rule_specs(dtype, head_dim, arch).values():
                 specs += [spec for _, _, spec in rule_list]
     return list(dict.fromkeys(specs))
@@ -278,7 +286,9 @@ def dispatch_rules(arch: str) -> dict:
     rules_out = {"append_kv": [[None, None, append_spec().name]]}
     for dtype in DTYPES:
         for hd in HEAD_DIMS:
-            rules_out[f"merge_splits/{dtype}/{hd}"] = [[None, None, merge_spec(dtype, hd).name]]
+            for kernel, spec in (("merge_splits", merge_spec(dtype, hd)),
+                                 ("tree_merge", tree_merge_spec(dtype, hd))):
+                rules_out[f"{kernel}/{dtype}/{hd}"] = [[None, None, spec.name]]
             for key, rule_list in rule_specs(dtype, hd, arch).items():
                 named = tuple((per_sm, bound, spec.name) for per_sm, bound, spec in rule_list)
                 rules_out[key] = [list(rule) for rule in tuning_table.simplify(named)]

@@ -10,7 +10,12 @@ Each branch ends with a *final range* (what is left of its path after the comput
 through its own block table): the final kernel computes it, merges the branch's partials along
 its path and writes the output. Long ranges (computed nodes and final ranges) are cut into
 chunks so the grid fills the GPU; every chunk but a final range's last one becomes a partial
-work item, tiled over its (branch, query head) rows.
+work item, tiled over its (branch, query head) rows. A final-kernel program walks its range's
+KV tiles, then folds its branch's partials one after another; a plan where some program's walk
+is ``SEPARATE_MERGE_STEPS`` long *merges separately* instead: every chunk of every final range
+is a partial item (the last one *open*: it reads to its branch's length at run time), and a
+merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
+runs.
 
 The planner itself is C++ (``csrc/core/planner.cc``), shared with the C ABI so that a C++
 runtime plans exactly as Python does; this module describes its input and output.
@@ -27,6 +32,9 @@ from .tree import SegmentTree
 #: The cost model's weight (csrc/core/planner.h, with its chunking constants): re-read KV of
 #: a folded node costs this fraction of an HBM byte (most re-reads hit L2).
 REREAD_WEIGHT = _launcher.REREAD_WEIGHT
+#: Serial steps (KV tiles + partials) of a final-kernel program from which a plan merges
+#: separately (csrc/core/planner.h).
+SEPARATE_MERGE_STEPS = _launcher.SEPARATE_MERGE_STEPS
 
 
 @dataclass(frozen=True)
@@ -44,10 +52,12 @@ class PlanArrays:
     """A plan on the host. Chunk ``c`` covers tokens ``[chunk_start[c], chunk_end[c])`` read
     through block-table row ``chunk_table_row[c]``, for the rows
     ``order[chunk_row_ptr[c]:chunk_row_ptr[c] + chunk_rows[c]]``, whose partials are entries
-    ``chunk_entry0[c] + j``, stored in partial slot ``entry_slot[entry]``. ``items[block_m]``
-    are the int32 records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``). Branch (row)
-    ``b``'s final range is ``[final_start[b], its length)``; it merges the partial slots
-    ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). ``work`` holds
+    ``chunk_entry0[c] + j``, stored in partial slot ``entry_slot[entry]``; an open chunk
+    (``chunk_open[c]``) ends at its row's length at run time. ``items[block_m]`` are the int32
+    records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``). Branch (row) ``b``'s final
+    range is ``[final_start[b], its length)``; it merges the partial slots
+    ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
+    ``separate_merge`` the final ranges are chunks too and no final kernel runs. ``work`` holds
     order, final_start, merge_ptr, entry_slot and each tile's items packed for one upload,
     list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
@@ -57,6 +67,7 @@ class PlanArrays:
     chunk_row_ptr: np.ndarray
     chunk_table_row: np.ndarray
     chunk_entry0: np.ndarray
+    chunk_open: np.ndarray
     items: dict[int, np.ndarray]
     final_start: np.ndarray
     merge_ptr: np.ndarray
@@ -64,18 +75,21 @@ class PlanArrays:
     num_entries: int
     work: np.ndarray
     work_offsets: np.ndarray
+    separate_merge: bool
     stats: dict = field(default_factory=dict)
 
 
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
-         reread_weight: float = REREAD_WEIGHT) -> PlanArrays:
-    """The work of one decode step over ``tree`` (``target_chunk`` and ``reread_weight``
-    override the cost model, for tuning). ``ValueError`` when the partials would overflow the
-    kernels' int32 indexing."""
+         reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None
+         ) -> PlanArrays:
+    """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight`` and
+    ``separate_merge`` override the cost model, for tuning and tests). ``ValueError`` when the
+    partials would overflow the kernels' int32 indexing."""
     try:
         raw = _launcher.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
-                             target_chunk or 0, reread_weight)
+                             target_chunk or 0, reread_weight,
+                             -1 if separate_merge is None else int(separate_merge))
     except _launcher.LauncherError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),

@@ -60,12 +60,13 @@ APPEND_KV = Family(
 )
 
 #: One work item of ``tree_partial``: an int32 record of these fields, in this order (the
-#: planner writes them, the kernel reads them by index).
+#: planner writes them, the kernel reads them by index). ``open_end`` 1: the item ends at its
+#: table row's current length, read on the device (a final range's last chunk).
 TREE_ITEM_FIELDS = ("table_row", "kv_start", "kv_end", "row_ptr", "num_rows",
-                    "first_flat_row", "entry0", "unused")
+                    "first_flat_row", "entry0", "open_end")
 
 _TREE_COMMON = (("q", "*{dt}"), ("k_pool", "*{dt}"), ("v_pool", "*{dt}"),
-                ("block_tables", "*i32"))
+                ("block_tables", "*i32"), ("seq_lens", "*i32"))
 _TREE_SCALARS = (("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_heads", "i32"),
                  ("page_size", "i32"), ("max_blocks", "i32"))
 
@@ -78,14 +79,21 @@ TREE_PARTIAL = Family(
 
 TREE_FINAL = Family(
     name="tree_final",
-    params=_TREE_COMMON + (("seq_lens", "*i32"), ("final_start", "*i32"), ("merge_ptr", "*i32"),
+    params=_TREE_COMMON + (("final_start", "*i32"), ("merge_ptr", "*i32"),
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
                            ("out", "*{dt}")) + _TREE_SCALARS,
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N"),
 )
 
+TREE_MERGE = Family(
+    name="tree_merge",
+    params=(("merge_ptr", "*i32"), ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
+            ("out", "*{dt}"), ("num_qo_heads", "i32")),
+    constexprs=("HEAD_DIM", "BLOCK_S"),
+)
+
 FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV, TREE_PARTIAL,
-                                TREE_FINAL)}
+                                TREE_FINAL, TREE_MERGE)}
 
 
 @dataclass(frozen=True)

@@ -29,23 +29,26 @@ def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
 
 def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
                    out: torch.Tensor) -> None:
-    """Executes a :class:`~flash_reasoning.planner.PlanArrays` chunk by chunk (partials, then
-    each branch's final range merged with its partials), as the kernels do."""
+    """Executes a :class:`~flash_reasoning.planner.PlanArrays` chunk by chunk (partials, open
+    chunks to their row's length now; then each branch's final range, none when the plan
+    merges separately, merged with its partials), as the kernels do."""
     num_qo_heads, head_dim = q.shape[1:]
     partial_out = torch.zeros(arrays.num_entries, num_qo_heads, head_dim)
     partial_lse = torch.full((arrays.num_entries, num_qo_heads), float("-inf"))
     order = torch.from_numpy(arrays.order).long()
     for c in range(arrays.chunk_start.size):
         rows = order[arrays.chunk_row_ptr[c]:arrays.chunk_row_ptr[c] + arrays.chunk_rows[c]]
-        table = block_tables[int(arrays.chunk_table_row[c])]
+        table_row = int(arrays.chunk_table_row[c])
+        end = int(seq_lens[table_row]) if arrays.chunk_open[c] else int(arrays.chunk_end[c])
         first = arrays.chunk_entry0[c]
         slots = torch.from_numpy(arrays.entry_slot[first:first + arrays.chunk_rows[c]]).long()
         partial_out[slots], partial_lse[slots] = _attend(
-            q[rows], k_pool, v_pool, table, int(arrays.chunk_start[c]),
-            int(arrays.chunk_end[c]), sm_scale)
+            q[rows], k_pool, v_pool, block_tables[table_row], int(arrays.chunk_start[c]), end,
+            sm_scale)
     for b in range(q.shape[0]):
-        own_out, own_lse = _attend(q[b:b + 1], k_pool, v_pool, block_tables[b],
-                                   int(arrays.final_start[b]), int(seq_lens[b]), sm_scale)
+        final_start = int(seq_lens[b]) if arrays.separate_merge else int(arrays.final_start[b])
+        own_out, own_lse = _attend(q[b:b + 1], k_pool, v_pool, block_tables[b], final_start,
+                                   int(seq_lens[b]), sm_scale)
         merged = slice(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])
         lse = torch.cat([own_lse, partial_lse[merged]])                    # [parts, heads]
         weight = torch.softmax(lse, dim=0).nan_to_num_(0.0)  # all empty: zeros

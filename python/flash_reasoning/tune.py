@@ -166,6 +166,8 @@ class Tuner:
         q = torch.randn(len(leaves), NUM_QO_HEADS, head_dim, device="cuda").to(alloc.dtype)
         launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], torch.empty_like(q))
         name = f"tree {nodes}x{[*tokens, leaf]} g{group} {dtype} d{head_dim}"
+        # A plan that merges separately ends with tree_merge (one config, no rule list) and
+        # no length of its own: zip stops before it.
         for launch, max_tokens in zip(launches, plan.launch_max_tokens):
             kernel = launch.spec.family
             block_m = dict(launch.spec.constexprs)["BLOCK_M"] if kernel == "tree_partial" else None

@@ -3,8 +3,9 @@ reads each shared KV token once per step.
 
 ``TreeAttentionPlan`` is built once per decode step (or kept while the branches only grow):
 it runs the planner, uploads the work lists and allocates every buffer ``run`` needs. ``run``
-launches the partial kernel(s) and the final kernel; it allocates nothing and never
-synchronises, so it can be captured in a CUDA graph. On CPU allocators ``run`` executes the
+launches the partial kernel(s), then the final kernel (or, for a plan that merges separately,
+the merge kernel); it allocates nothing and never synchronises, so it can be captured in a
+CUDA graph. On CPU allocators ``run`` executes the
 same plan with the PyTorch path.
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ class TreeAttentionPlan:
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                  num_qo_heads: int, sm_scale: float | None = None,
                  target_chunk: int | None = None, num_sms: int | None = None,
-                 arch: str | None = None) -> None:
+                 arch: str | None = None, separate_merge: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -71,7 +72,7 @@ class TreeAttentionPlan:
         self.num_sms = num_sms or (runtime.num_sms(device.index) if device.type == "cuda" else 1)
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
                               allocator.k_pools[0].element_size(), self.num_sms)
-        self.arrays = planner.plan(tree, shape, target_chunk)
+        self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge)
         self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
@@ -145,40 +146,49 @@ class TreeAttentionPlan:
                      runtime.current_raw_stream(self._cuda_index))
 
     def launches(self, q, k_pool, v_pool, out) -> list[Launch]:
-        """The partial launch of each tile size, then the final launch: the templates built
-        with the plan, completed with this call's tensors (or, for ``run``'s prepared
-        launches, with placeholders for their pointers)."""
-        return [Launch(spec, grid, (q, k_pool, v_pool) + middle + ((out,) if with_out else ())
-                       + self._scalars) for spec, grid, middle, with_out in self._templates]
+        """The partial launch of each tile size, then the final (or merge) launch: the
+        templates built with the plan, completed with this call's tensors (or, for ``run``'s
+        prepared launches, with placeholders for their pointers)."""
+        given = dict(zip(PER_CALL_POINTERS, (q, k_pool, v_pool, out)))
+        return [Launch(spec, grid, tuple(given[a] if isinstance(a, str) else a for a in args))
+                for spec, grid, args in self._templates]
 
     def _launch_templates(self, lengths: np.ndarray) -> list[tuple]:
-        """(spec, grid, arguments after q/k_pool/v_pool, whether ``out`` follows) of each
-        launch: everything but the per-call tensors is fixed when the plan is built (the
+        """(spec, grid, arguments) of each launch, the per-call tensors named by their
+        :data:`PER_CALL_POINTERS` name: everything else is fixed when the plan is built (the
         configs from the branches' ``lengths`` now). Sets ``launch_max_tokens``: the most
-        tokens one program of each launch walks, what its config was picked by."""
+        tokens one program of each partial and final launch walks, what its config was
+        picked by (the merge launch has one config)."""
         self.launch_max_tokens = [_longest_item(records) for records in self.arrays.items.values()]
         if not self.num_branches:
             return []
         dtype = str(self.allocator.dtype).removeprefix("torch.")
         kv_heads = self.allocator.num_kv_heads
-        self._scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
-                         self.allocator.block_size, self.tables.shape[1])
+        scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
+                   self.allocator.block_size, self.tables.shape[1])
+        paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
                 "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m)),
              (records.shape[0], kv_heads, 1),
-             (self.tables, self._order, items, self._entry_slot, self.partial_out,
-              self.partial_lse), False)
+             paged + (self._order, items, self._entry_slot, self.partial_out,
+                      self.partial_lse) + scalars)
             for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
                                                          self.launch_max_tokens)]
+        if self.arrays.separate_merge:
+            templates.append((dispatch.tree_merge_spec(dtype, self.head_dim),
+                              (self.num_branches, self.num_qo_heads, 1),
+                              (self._merge_ptr, self.partial_out, self.partial_lse, "out",
+                               self.num_qo_heads)))
+            return templates
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
         final_tokens = int((lengths - self.arrays.final_start).max())
         self.launch_max_tokens.append(final_tokens)
         final_config = self._config("tree_final", dtype, final_tokens, self.num_branches * tiles)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
                           (self.num_branches, tiles, 1),
-                          (self.tables, self.lengths, self._final_start, self._merge_ptr,
-                           self.partial_out, self.partial_lse), True))
+                          paged + (self._final_start, self._merge_ptr, self.partial_out,
+                                   self.partial_lse, "out") + scalars))
         return templates
 
     def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,
