@@ -77,12 +77,28 @@ def merge_partial(m, denom, acc, lse, part):
 
 
 @triton.jit
-def merge_block(m, denom, acc, lse, part):
-    """Fold a block of one row's partials (``lse`` [S], ``part`` [S, HEAD_DIM] normalised,
-    masked slots with lse -inf) into its merge state (``m`` [1] the largest LSE so far,
-    ``acc``/``denom`` scaled by exp(-m)). All-empty rows stay (-inf, 0, 0), never NaN."""
-    m_new = tl.maximum(m, tl.max(lse, 0))
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    w = tl.exp(lse - ref)
-    scale = tl.exp(m - ref)
-    return m_new, denom * scale + tl.sum(w, 0), acc * scale + tl.sum(part * w[:, None], 0)
+def fold_partials(partial_out, partial_lse, base, stride, lo, hi,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The log-sum-exp merge of one row's partials ``lo <= s < hi`` (``partial_lse[base + s *
+    stride]``, normalised outputs ``partial_out[base + s * stride, :]``), BLOCK_S per step:
+    the merged output ``[HEAD_DIM]``. No partial, or only empty ones (lse -inf), gives zeros,
+    never NaN."""
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(lo, hi, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = s < hi
+        entry = base + s.to(tl.int64) * stride
+        lse = tl.load(partial_lse + entry, mask=ok, other=float("-inf"))
+        part = tl.load(partial_out + entry[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
+                       other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: exp() gives 0
+        w = tl.exp(lse - ref)
+        scale = tl.exp(m - ref)
+        denom = denom * scale + tl.sum(w, 0)
+        acc = acc * scale + tl.sum(part * w[:, None], 0)
+        m = m_new
+    return acc / tl.where(denom > 0, denom, 1.0)

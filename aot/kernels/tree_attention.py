@@ -14,9 +14,9 @@ slots ``[merge_ptr[b], merge_ptr[b + 1])`` (addressed directly, no index load in
 chain), then the output. The final range's end is read on the device, so a plan
 stays valid while the branches only grow.
 
-A plan that merges separately (``Plan.separate_merge``: some branch has many partials, which
-``tree_final`` would fold one after another) has no final launch: every chunk of every final
-range is a ``tree_partial`` item, the last one *open* (it reads to its branch's current
+A plan that merges separately (``Plan.separate_merge``: a final program would walk a long
+range or fold many partials one after another) has no final launch: every chunk of every
+final range is a ``tree_partial`` item, the last one *open* (it reads to its branch's current
 length), and ``tree_merge`` folds each (branch, head) row's slots, ``BLOCK_S`` at a time.
 """
 import triton
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from flash_reasoning.specializations import TREE_ITEM_FIELDS
 
-from .attention_core import attend, group_rows, merge_block, merge_partial, normalise
+from .attention_core import attend, fold_partials, group_rows, merge_partial, normalise
 
 ITEM_STRIDE = tl.constexpr(len(TREE_ITEM_FIELDS))
 TABLE_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("table_row"))
@@ -106,19 +106,7 @@ def tree_merge(merge_ptr, partial_out, partial_lse, out, num_qo_heads,
                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full([1], float("-inf"), tl.float32)
-    denom = tl.zeros([1], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    end = tl.load(merge_ptr + seq + 1)
-    for s0 in range(tl.load(merge_ptr + seq), end, BLOCK_S):
-        slot = s0 + tl.arange(0, BLOCK_S)
-        ok = slot < end
-        part = slot.to(tl.int64) * num_qo_heads + head
-        lse = tl.load(partial_lse + part, mask=ok, other=float("-inf"))
-        o_part = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
-                         other=0.0)
-        m, denom, acc = merge_block(m, denom, acc, lse, o_part)
-    o = acc / tl.where(denom > 0, denom, 1.0)
+    o = fold_partials(partial_out, partial_lse, head.to(tl.int64), num_qo_heads,
+                      tl.load(merge_ptr + seq), tl.load(merge_ptr + seq + 1), HEAD_DIM, BLOCK_S)
     row = seq.to(tl.int64) * num_qo_heads + head
-    tl.store(out + row * HEAD_DIM + d, o.to(out.dtype.element_ty))
+    tl.store(out + row * HEAD_DIM + tl.arange(0, HEAD_DIM), o.to(out.dtype.element_ty))

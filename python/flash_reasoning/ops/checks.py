@@ -76,4 +76,3 @@ def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.d
         raise ValueError(f"{name}'s data must be {POINTER_ALIGN}-byte aligned (the kernels "
                          f"assume it), got address {t.data_ptr():#x} (a view at an odd "
                          f"offset?); pass a copy")
-
