@@ -55,6 +55,9 @@ fi
 if [ -n "${EXPLORE_MERGE:-}" ]; then
   log=explore_merge.log step "explore merge modes" env PYTHONPATH=. python3 ci/explore_merge.py || status=1
 fi
+if [ -n "${EXPLORE_FLAT:-}" ]; then
+  log=explore_flat.log step "explore flat plans" env PYTHONPATH=. python3 ci/explore_flat.py || status=1
+fi
 if [ -n "${EXPLORE_DECODE:-}" ]; then
   log=explore.log step "explore decode splits" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
 fi

@@ -208,11 +208,14 @@ def test_manifest_of_another_version(api, tmp_path):
 
 # ---------------------------------------------------------------- plans: validation (host-only)
 
+SMALL_BRANCHES = 256
+
+
 def small_problem() -> Problem:
-    """3 branches of 80 tokens: a 64-token root (blocks 0-3, computed once: the cost model
-    prefers reading it once to re-reading it per branch), 16 own tokens each (column 4);
-    tables 7 wide; extra_blocks 1, so plans hold 6 columns."""
-    return shared_root(3, root=64, leaf=16)
+    """256 branches of 80 tokens: a 64-token root (blocks 0-3, computed once: re-read by 256
+    branches it would cost more than a partial launch, so the plan is not flat), 16 own tokens
+    each (column 4); tables 7 wide; extra_blocks 1, so plans hold 6 columns."""
+    return shared_root(SMALL_BRANCHES, root=64, leaf=16)
 
 
 @pytest.mark.parametrize("spoil, status, fragments", [
@@ -292,21 +295,26 @@ def test_seed_tree_plan_info(api, host_context):
     api.lib.frPlanDestroy(plan)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(7))
 def test_planner_agrees_with_python(api, host_context, seed):
+    """Small random trees plan flat (sharing does not repay a partial launch there), the
+    seed-like tree (48 leaves under a 1000-token root) a tree: the C ABI decides as Python."""
     from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan
     from flash_reasoning.synthetic import random_branches
-    alloc = PhysicalKVAllocator(1024, 16, 2, 64, device="cpu")
-    ids = random_branches(alloc, 24, 3, 200, seed=seed, roots=1 + seed % 2)
+    if seed == 6:
+        alloc, ids = seed_like_tree(torch.float16, 64, device="cpu")
+    else:
+        alloc = PhysicalKVAllocator(1024, 16, 2, 64, device="cpu")
+        ids = random_branches(alloc, 24, 3, 200, seed=seed, roots=1 + seed % 2)
     tables, lengths = alloc.block_tables(ids)
-    problem = Problem(lengths.numpy(), tables.numpy(), shape=dict(SEED_SHAPE, num_qo_heads=8, num_kv_heads=2,
-                                                                  head_dim=64, num_blocks=1024))
+    num_qo_heads = 4 * alloc.num_kv_heads
+    problem = allocator_problem(alloc, ids, num_qo_heads)
     rc, msg, plan = api.plan(host_context, problem)
     assert rc == FR_OK, msg
-    python = TreeAttentionPlan(alloc, ids, 8, num_sms=132)  # its tree comes from fork histories
+    python = TreeAttentionPlan(alloc, ids, num_qo_heads, num_sms=132)  # its tree: fork histories
     tree = alloc.segment_tree(ids)
     info = api.info(plan)
-    assert info["computed_nodes"] > 0
+    assert (info["computed_nodes"] > 0) == (seed == 6)
     assert (info["num_nodes"], info["computed_nodes"], info["num_launches"], info["unique_tokens"],
             info["logical_tokens"]) == (tree.num_nodes, python.arrays.stats["computed_nodes"],
                                         len(python.arrays.items) + 1, int((tree.node_end - tree.node_start).sum()),
@@ -418,10 +426,11 @@ def test_fake_driver_plan_update(fake_libcuda):
     """, libcuda=fake_libcuda)
     status, message, created = out.pop("create")
     assert status == FR_OK, message
-    assert created["max_blocks"] == 6 and created["logical_tokens"] == 3 * 80 and created["computed_nodes"] == 1
+    assert created["max_blocks"] == 6 and created["logical_tokens"] == SMALL_BRANCHES * 80
+    assert created["computed_nodes"] == 1
     rejected = {
         "shared_block": (FR_PLAN_MISMATCH, ["branch 1 changed block 1 (1 -> 900)", "create a new plan"]),
-        "branch_count": (FR_PLAN_MISMATCH, ["the plan has 3 branches, the tree 2"]),
+        "branch_count": (FR_PLAN_MISMATCH, [f"the plan has {SMALL_BRANCHES} branches, the tree 2"]),
         "outgrown": (FR_PLAN_MISMATCH, ["branch 0 needs 7 blocks, the plan holds 6", "extra_blocks"]),
         "shrunk": (FR_PLAN_MISMATCH, ["branch 2 shrank to 10 tokens"]),
         "bad_entry": (FR_INVALID_ARGUMENT, ["block_tables[0][5] is 4096"]),
@@ -432,7 +441,7 @@ def test_fake_driver_plan_update(fake_libcuda):
         assert info == created, key
     for key in ("own_block", "leaves_grew"):
         got, message, info = out[key]
-        assert got == FR_OK and info == dict(created, logical_tokens=3 * 81), (key, message, info)
+        assert got == FR_OK and info == dict(created, logical_tokens=SMALL_BRANCHES * 81), (key, message, info)
     for key, fragment in [("misaligned", "q must be a non-NULL, 16-byte aligned"), ("append_negative", "num_tokens"),
                           ("append_null", "slots must be a non-NULL")]:
         assert out[key][0] == FR_INVALID_ARGUMENT and fragment in out[key][1], (key, out[key])

@@ -240,6 +240,7 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
     plan_kw = dict(num_qo_heads=alloc.num_kv_heads * data.draw(st.integers(1, limits.max_group)),
                    target_chunk=data.draw(st.sampled_from(limits.target_chunks)),
                    separate_merge=data.draw(st.sampled_from([None, False, True])),
+                   flat=data.draw(st.sampled_from([None, False, True])),
                    **(dict(arch="sm90", num_sms=4) if interpreted else {}))
 
     history.run(data.draw(st.integers(*limits.ops)))

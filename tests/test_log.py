@@ -17,7 +17,7 @@ def seed_plan(batch=16, prefix=256, leaf=64):
     """A root shared by ``batch`` leaves on CPU, planned for the H100 (as the interpreter
     tests do): a wide-tile partial for the root, the final kernel for the leaves."""
     alloc, leaves = case_allocator(seed_case(batch, prefix, leaf), device="cpu")
-    return TreeAttentionPlan(alloc, leaves, 32, num_sms=132, arch="sm90")
+    return TreeAttentionPlan(alloc, leaves, 32, num_sms=132, arch="sm90", flat=False)
 
 
 def messages(caplog, kernel):

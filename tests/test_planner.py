@@ -133,6 +133,51 @@ def test_merges_separately_when_a_final_walk_is_long(name, separate):
     check_plan(tree, forced, case["num_qo_heads"] // case["num_kv_heads"])
 
 
+@pytest.mark.parametrize("name, flat", [
+    ("ft_1,2,64/q16kv1", True),    # 512-byte tokens: re-reading beats a partial launch
+    ("ft_1,10/q16kv1", True),
+    ("long_1,4/q16kv1", True),
+    ("ft_1,16,64/q16kv1", False),  # 64 branches under 1280 shared tokens: sharing pays
+    ("seed_b256/q32kv8", False),
+    ("seed_b16/q32kv8", False),
+])
+def test_plans_flat_when_sharing_does_not_pay(name, flat):
+    """The planner keeps the plan estimated faster: the cost model's folds or every node
+    folded (flat); either can be forced and covers every path once."""
+    case = next(c for c in load_cases()["cases"] if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    heads = case["num_qo_heads"]
+    tree, arrays = plan_for(alloc, leaves, heads)
+    folded = plan_for(alloc, leaves, heads, flat=False)[1]
+    flat_plan = plan_for(alloc, leaves, heads, flat=True)[1]
+    assert folded.stats["computed_nodes"] > 0 and flat_plan.stats["computed_nodes"] == 0
+    assert (arrays.stats["computed_nodes"] == 0) == flat
+    estimates = (folded.stats["estimated_us"], flat_plan.stats["estimated_us"])
+    assert arrays.stats["estimated_us"] == min(estimates) and estimates[0] != estimates[1]
+    for each in (folded, flat_plan):
+        check_plan(tree, each, heads // case["num_kv_heads"])
+
+
+def test_estimated_time_counts_launches_and_steps():
+    """One unshared branch, one final launch: a fixed cost, then the longer of its serial
+    steps and its bytes (here the steps)."""
+    alloc = PhysicalKVAllocator(300, 16, 8, 128, device="cpu")
+    short = [alloc.alloc_branch(64).branch_id]
+    long = [alloc.alloc_branch(4096).branch_id]
+    # One program per KV head walks one 64-token tile (its 256 KB take 0.09 us).
+    assert plan_for(alloc, short, 32)[1].stats["estimated_us"] == pytest.approx(5.0 + 1.2)
+    # Unsplit, 64 tiles one after another (16 MB: 5.6 us of bytes).
+    walk = plan_for(alloc, long, 32, separate_merge=False, target_chunk=4096)[1]
+    assert walk.stats["estimated_us"] == pytest.approx(5.0 + 64 * 1.2)
+    # Split and merged separately: two short launches estimate far less.
+    assert plan_for(alloc, long, 32)[1].stats["estimated_us"] < 30
+
+
+def test_merge_steps_match_the_merge_kernel():
+    from flash_reasoning import _launcher, dispatch
+    assert _launcher.MERGE_SLOTS_PER_STEP == dispatch.MERGE_BLOCK_S
+
+
 def test_empty_branches_plan_to_empty_ranges():
     alloc = PhysicalKVAllocator(10, 4, 1, 8, device="cpu")
     ids = [alloc.alloc_branch(0).branch_id for _ in range(3)]
@@ -163,6 +208,6 @@ def test_partials_past_int32_indexing_are_a_value_error():
     ids = [alloc.alloc_branch(65, parent_branch_id=root, fork_position=64).branch_id
            for _ in range(2)]
     tree = alloc.segment_tree(ids)
-    assert planner.plan(tree, planner.Shape(2**29, 2**29, 8, 2, 132)).num_entries == 2
+    assert planner.plan(tree, planner.Shape(2**29, 2**29, 8, 2, 132), flat=False).num_entries == 2
     with pytest.raises(ValueError, match="the plan needs 2 partials of 1073741824 heads"):
         planner.plan(tree, planner.Shape(2**30, 2**30, 8, 2, 132))

@@ -63,6 +63,18 @@ def test_kernels_interpreted(dtype, heads, separate):
 
 
 @interpreter
+@pytest.mark.parametrize("separate", [False, True])
+def test_flat_plan_interpreted(separate):
+    """Every node folded: each branch reads its whole path through its own table."""
+    alloc, ids = forest("cpu", num_kv_heads=2, tokens=200, seed=11)
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, flat=True)
+    assert plan.arrays.stats["computed_nodes"] == 0
+    assert plan.arrays.separate_merge == separate
+    check(out, q, alloc, ids)
+
+
+@interpreter
 def test_separate_merge_follows_growth_interpreted():
     """A plan that merges separately reads each branch's last chunk to its length at run
     time: after decode steps (and one branch left behind, shorter than the rest) it still
@@ -100,7 +112,7 @@ def test_kernels_interpreted_wide_tiles_and_group_32():
     leaves = build_branches(alloc, spec, lambda node, layer, n: random_kv(alloc, gen, n))
     for heads in (4, 32):
         q = queries(alloc, leaves, heads)
-        plan, out = interpret(alloc, leaves, q)
+        plan, out = interpret(alloc, leaves, q, flat=False)
         assert 64 in plan.arrays.items
         check(out, q, alloc, leaves)
 
@@ -111,13 +123,14 @@ def test_kernels_interpreted_wide_tiles_and_group_32():
 @given(branches=st.integers(1, 30), depth=st.integers(1, 10), tokens=st.integers(0, 50),
        group=st.sampled_from([1, 2, 4, 8, 16]), dtype=st.sampled_from(DTYPES),
        chunk=st.sampled_from([None, 64]), merge=st.sampled_from([None, False, True]),
-       seed=st.integers(0, 2**16))
-def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, merge, seed):
+       flat=st.sampled_from([None, False, True]), seed=st.integers(0, 2**16))
+def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, merge, flat, seed):
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, dtype=dtype, branches=branches,
                         depth=depth, tokens=tokens, seed=seed, block_size=4,
                         roots=1 + seed % 3)
     q = queries(alloc, ids, group, seed)
-    plan = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk, separate_merge=merge)
+    plan = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk, separate_merge=merge,
+                             flat=flat)
     check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
@@ -196,7 +209,7 @@ def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk, separate
         pytest.skip("the sm90 artifacts are not built here")
     alloc, ids = forest("cpu", num_kv_heads=8, head_dim=128, tokens=200)
     plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk,
-                             separate_merge=separate)
+                             separate_merge=separate, flat=False)
     launcher = _launcher.Launcher(runtime.artifact_root() / "sm90", 0)
     monkeypatch.setattr(runtime, "_launcher_for", lambda device_index: launcher)
     prepared = runtime.prepare(plan.launches, PER_CALL_POINTERS, alloc.device)
@@ -228,8 +241,10 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
                         branches=branches, depth=depth, tokens=tokens, seed=seed,
                         block_size=16, roots=1 + seed % 2)
     q = queries(alloc, ids, group * kv_heads, seed)
-    for separate in (None, not TreeAttentionPlan(alloc, ids, q.shape[1]).arrays.separate_merge):
-        plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate)
+    auto = TreeAttentionPlan(alloc, ids, q.shape[1]).arrays
+    for separate, flat in ((None, None), (not auto.separate_merge, None), (None, False),
+                           (None, True)):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate, flat=flat)
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
@@ -271,7 +286,7 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
     alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=64, tokens=200,
                         block_size=16, layers=2)
     q = queries(alloc, ids, 32)
-    plan = TreeAttentionPlan(alloc, ids, 32, target_chunk=64)
+    plan = TreeAttentionPlan(alloc, ids, 32, target_chunk=64, flat=False)
     for layer in range(alloc.num_layers):
         pools = alloc.k_pools[layer], alloc.v_pools[layer]
         per_launch = poisoned_like(q)

@@ -54,8 +54,9 @@ Status check_shape(const PlanShape& s) {
 
 // Top-down: whether each node folds, and where its range starts once its folded ancestors are
 // prepended. Nodes are in pre-order, so a parent is decided before its children.
-void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_weight, std::vector<char>* fold,
-                    std::vector<int64_t>* eff_start) {
+// A flat plan folds every node.
+void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_weight, bool flat,
+                    std::vector<char>* fold, std::vector<int64_t>* eff_start) {
   int64_t count = t.num_nodes();
   std::vector<int64_t> consumers(count, 0);
   for (int64_t v = 0; v < count; ++v)
@@ -67,8 +68,8 @@ void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_
   for (int64_t v = 0; v < count; ++v) {
     int64_t up = t.node_parent[v];
     if (up >= 0 && (*fold)[up]) (*eff_start)[v] = (*eff_start)[up];
-    (*fold)[v] = fold_into_consumers(consumers[v], t.node_end[v] - (*eff_start)[v], t.node_hi[v] - t.node_lo[v],
-                                     shape, reread_weight);
+    (*fold)[v] = flat || fold_into_consumers(consumers[v], t.node_end[v] - (*eff_start)[v],
+                                             t.node_hi[v] - t.node_lo[v], shape, reread_weight);
   }
 }
 
@@ -145,6 +146,55 @@ bool separate_merge_adds_launch(const Ranges& r, const std::vector<int64_t>& blo
   return false;
 }
 
+// Positions of kTreeItemFields in a record.
+enum ItemField { kTableRow, kKvStart, kKvEnd, kRowPtr, kNumRows, kFirstFlatRow, kEntry0, kOpenEnd, kItemFields };
+static_assert(kItemFields == kTreeItemFields.size(), "ItemField follows kTreeItemFields");
+
+double launch_us(double steps, double bytes) { return kLaunchUs + std::max(steps * kStepUs, bytes / kBytesPerUs); }
+
+// A partial launch: its longest item's KV tiles times its waves; every chunk read once.
+double partial_launch_us(const ItemList& list, const SegmentTree& t, const PlanShape& shape) {
+  int64_t longest = 0, tokens = 0;
+  for (size_t i = 0; i < list.records.size(); i += kItemFields) {
+    const int32_t* r = &list.records[i];
+    int64_t end = r[kOpenEnd] ? t.lengths[r[kTableRow]] : r[kKvEnd];
+    int64_t length = std::max<int64_t>(0, end - r[kKvStart]);
+    longest = std::max(longest, ceil_div(length, kChunkAlign));
+    if (r[kFirstFlatRow] == 0) tokens += length;  // a chunk's first tile
+  }
+  int64_t waves = ceil_div(list.count() * shape.num_kv_heads, kWaves * shape.num_sms);
+  double factor = list.block_m > shape.block_ms[0] ? kWideStepFactor : 1.0;
+  return launch_us(double(longest * waves) * factor, double(tokens * shape.kv_bytes_per_token()));
+}
+
+// The final launch (each row's final range, then its partials one by one) or the merge launch.
+double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shape) {
+  double partial_bytes = double(p.num_entries) * double(shape.partial_bytes_per_row()) / 2;  // read once
+  int64_t walk = 0, tokens = 0;
+  for (int64_t b = 0; b < t.num_rows(); ++b) {
+    int64_t partials = p.merge_ptr[b + 1] - p.merge_ptr[b];
+    if (p.separate_merge) {
+      walk = std::max(walk, ceil_div(partials, kMergeSlotsPerStep));
+      continue;
+    }
+    int64_t length = t.lengths[b] - p.final_start[b];
+    walk = std::max(walk, ceil_div(length, kChunkAlign) + partials);
+    tokens += length;
+  }
+  if (p.separate_merge) return launch_us(double(walk), partial_bytes);
+  int64_t programs = t.num_rows() * shape.num_kv_heads * ceil_div(shape.group(), shape.block_ms[0]);
+  int64_t waves = ceil_div(programs, kFinalProgramsPerSm * shape.num_sms);
+  return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes);
+}
+
+// Whether a flat plan could beat `estimate`: it reads every branch's whole path, in one launch
+// at least.
+bool flat_may_win(const SegmentTree& t, const PlanShape& shape, double estimate) {
+  int64_t tokens = 0;
+  for (int64_t length : t.lengths) tokens += length;
+  return launch_us(0, double(tokens) * double(shape.kv_bytes_per_token())) < estimate;
+}
+
 // The tree_partial records of each row tile: one per (chunk, tile).
 void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_t group, std::vector<ItemList>* out) {
   out->clear();
@@ -183,6 +233,12 @@ bool merge_separately(int64_t longest_final_walk, bool adds_launch) {
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
 }
 
+double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
+  double total = last_launch_us(plan, tree, shape);
+  for (const ItemList& list : plan.items) total += partial_launch_us(list, tree, shape);
+  return total;
+}
+
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets) {
   std::vector<const std::vector<int32_t>*> lists = {&plan.order, &plan.final_start, &plan.merge_ptr, &plan.entry_slot};
   for (const ItemList& items : plan.items) lists.push_back(&items.records);
@@ -196,13 +252,14 @@ void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<i
   }
 }
 
-Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out) {
-  Status st = check_shape(shape);
-  if (!st.ok()) return st;
-  if (options.target_chunk < 0) return Status::Error(Code::kInvalidArgument, "target_chunk must be >= 0");
+namespace {
+
+// One plan of `tree`: the cost model's folds, or every node folded (`flat`).
+Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,
+                  Plan* out) {
   std::vector<char> fold;
   std::vector<int64_t> eff_start;
-  fold_decisions(tree, shape, options.reread_weight, &fold, &eff_start);
+  fold_decisions(tree, shape, options.reread_weight, flat, &fold, &eff_start);
   Ranges r = collect_ranges(tree, fold, eff_start);
   size_t num_ranges = r.lo.size();
   std::vector<int64_t> length(num_ranges), block_m(num_ranges), programs(num_ranges);
@@ -252,7 +309,25 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
   p.order.assign(tree.order.begin(), tree.order.end());
   merge_slots(tree, &p);
   make_items(p, chunk_block_m, shape.group(), &p.items);
+  p.estimated_us = estimated_us(p, tree, shape);
   *out = std::move(p);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out) {
+  Status st = check_shape(shape);
+  if (!st.ok()) return st;
+  if (options.target_chunk < 0) return Status::Error(Code::kInvalidArgument, "target_chunk must be >= 0");
+  Plan plan;
+  if (!(st = build_plan(tree, shape, options, options.flat == 1, &plan)).ok()) return st;
+  if (options.flat < 0 && plan.computed_nodes && flat_may_win(tree, shape, plan.estimated_us)) {
+    Plan flat;
+    if (build_plan(tree, shape, options, true, &flat).ok() && flat.estimated_us < plan.estimated_us)
+      plan = std::move(flat);
+  }
+  *out = std::move(plan);
   return Status::Ok();
 }
 

@@ -16,8 +16,13 @@
 // partial launch of one more tile size) the plan *merges separately*: every
 // chunk of every final range is a partial item too (the last one open: it reads to its
 // branch's length on the device), so they run in parallel, and a merge kernel folds each
-// (branch, head) row's partials in vectorised blocks, with no final kernel. Python
-// (flash_reasoning.planner) and the C ABI both plan through this file.
+// (branch, head) row's partials in vectorised blocks, with no final kernel.
+//
+// Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
+// tree cannot repay (one KV head: a token is 512 bytes). So the planner also plans the tree
+// *flat* (every node folded: each branch reads its whole path, as a paged decode does) and
+// keeps whichever plan estimated_us() finds faster. Python (flash_reasoning.planner) and the
+// C ABI both plan through this file.
 #pragma once
 
 #include <array>
@@ -47,6 +52,18 @@ constexpr int64_t kChunkAlign = 64;
 // launch of narrow leaf items 9 us).
 constexpr int64_t kSeparateMergeSteps = 8;
 constexpr int64_t kLaunchSteps = 4;
+// estimated_us()'s model of a launch: a fixed cost, then the longer of its serial steps (a
+// program's KV tiles and partials, times its waves) and its HBM traffic. Fitted on the H100
+// (docs/perf.md session 10: the cases file planned both ways; it picks the faster plan on
+// every case but two, each kept on the tree plan and 1-2 us slower there).
+constexpr double kLaunchUs = 5.0;
+constexpr double kStepUs = 1.2;
+constexpr double kWideStepFactor = 2.0;  // a wide tile's step: four times the rows' MMA
+constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
+// Programs per SM resident at once: the final kernel's short programs, the partial launch's.
+constexpr int64_t kFinalProgramsPerSm = 6;
+// Partial slots the merge kernel folds per step (dispatch.MERGE_BLOCK_S; a test checks).
+constexpr int64_t kMergeSlotsPerStep = 16;
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
@@ -74,6 +91,7 @@ struct PlanOptions {
   int64_t target_chunk = 0;  // 0: from the cost model; else tokens per chunk (tuning)
   double reread_weight = kRereadWeight;
   int separate_merge = -1;   // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
+  int flat = -1;             // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
@@ -100,6 +118,7 @@ struct Plan {
   int64_t computed_nodes = 0;
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
+  double estimated_us = 0;  // estimated_us() of this plan
 };
 
 // The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,
@@ -114,6 +133,8 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
+// The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
+double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 
 // The work of one decode step over `tree`. kInvalidArgument for a bad shape or a plan whose
 // partials would overflow the kernels' int32 indexing.

@@ -17,6 +17,11 @@ is a partial item (the last one *open*: it reads to its branch's length at run t
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
 runs.
 
+Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
+tree cannot repay (one KV head: 512 bytes a token). So the tree is also planned *flat* (every
+node folded: each branch reads its whole path, as a paged decode does), and the plan whose
+launches ``stats["estimated_us"]`` estimates faster is kept.
+
 The planner itself is C++ (``csrc/core/planner.cc``), shared with the C ABI so that a C++
 runtime plans exactly as Python does; this module describes its input and output.
 """
@@ -80,21 +85,28 @@ class PlanArrays:
 
 
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
-         reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None
-         ) -> PlanArrays:
-    """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight`` and
-    ``separate_merge`` override the cost model, for tuning and tests). ``ValueError`` when the
-    partials would overflow the kernels' int32 indexing."""
+         reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
+         flat: bool | None = None) -> PlanArrays:
+    """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
+    ``separate_merge`` and ``flat`` override the cost model, for tuning and tests; ``flat=False``
+    keeps the cost model's folds, ``True`` folds every node). ``ValueError`` when the partials
+    would overflow the kernels' int32 indexing."""
     try:
         raw = _launcher.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
                              target_chunk or 0, reread_weight,
-                             -1 if separate_merge is None else int(separate_merge))
+                             _tristate(separate_merge), _tristate(flat))
     except _launcher.LauncherError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),
-             "chunk_tokens": raw.pop("chunk_tokens"), "partial_chunks": raw["chunk_start"].size,
+             "chunk_tokens": raw.pop("chunk_tokens"), "estimated_us": raw.pop("estimated_us"),
+             "partial_chunks": raw["chunk_start"].size,
              "entries": raw["num_entries"],
              "partial_programs": {bm: int(a.shape[0]) * shape.num_kv_heads
                                   for bm, a in raw["items"].items()}}
     return PlanArrays(**raw, stats=stats)
+
+
+def _tristate(choice: bool | None) -> int:
+    """The C++ options' encoding: -1 for the cost model's choice, else 0 or 1."""
+    return -1 if choice is None else int(choice)

@@ -45,12 +45,15 @@ class TreeAttentionPlan:
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
+    ``separate_merge`` and ``flat`` force the planner's choices (``flash_reasoning.planner``),
+    for tuning and tests.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                  num_qo_heads: int, sm_scale: float | None = None,
                  target_chunk: int | None = None, num_sms: int | None = None,
-                 arch: str | None = None, separate_merge: bool | None = None) -> None:
+                 arch: str | None = None, separate_merge: bool | None = None,
+                 flat: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -72,7 +75,8 @@ class TreeAttentionPlan:
         self.num_sms = num_sms or (runtime.num_sms(device.index) if device.type == "cuda" else 1)
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
                               allocator.k_pools[0].element_size(), self.num_sms)
-        self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge)
+        self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
+                                   flat=flat)
         self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
