@@ -190,9 +190,7 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
 // Whether a flat plan could beat `estimate`: it reads every branch's whole path, in one launch
 // at least.
 bool flat_may_win(const SegmentTree& t, const PlanShape& shape, double estimate) {
-  int64_t tokens = 0;
-  for (int64_t length : t.lengths) tokens += length;
-  return launch_us(0, double(tokens) * double(shape.kv_bytes_per_token())) < estimate;
+  return launch_us(0, double(t.logical_tokens()) * double(shape.kv_bytes_per_token())) < estimate;
 }
 
 // The tree_partial records of each row tile: one per (chunk, tile).

@@ -58,9 +58,10 @@ constexpr int64_t kLaunchSteps = 4;
 // every case but two, each kept on the tree plan and 1-2 us slower there).
 constexpr double kLaunchUs = 5.0;
 constexpr double kStepUs = 1.2;
-constexpr double kWideStepFactor = 2.0;  // a wide tile's step: four times the rows' MMA
+constexpr double kWideStepFactor = 2.0;  // a 64-row tile's step (4x a 16-row tile's MMA work)
 constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
-// Programs per SM resident at once: the final kernel's short programs, the partial launch's.
+// Final-kernel programs resident per SM (ncu: 6 by registers and shared memory); a partial
+// launch's waves count kWaves programs per SM.
 constexpr int64_t kFinalProgramsPerSm = 6;
 // Partial slots the merge kernel folds per step (dispatch.MERGE_BLOCK_S; a test checks).
 constexpr int64_t kMergeSlotsPerStep = 16;

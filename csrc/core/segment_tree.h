@@ -21,6 +21,11 @@ struct SegmentTree {
 
   int64_t num_rows() const { return int64_t(lengths.size()); }
   int64_t num_nodes() const { return int64_t(node_start.size()); }
+  int64_t logical_tokens() const {  // the rows' lengths summed: what reading no prefix once costs
+    int64_t total = 0;
+    for (int64_t length : lengths) total += length;
+    return total;
+  }
 };
 
 // The tree of `num_rows` rows whose token t is identified by keys[row * num_breaks + c] for
