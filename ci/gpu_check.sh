@@ -58,6 +58,9 @@ fi
 if [ -n "${EXPLORE_FLAT:-}" ]; then
   log=explore_flat.log step "explore flat plans" env PYTHONPATH=. python3 ci/explore_flat.py || status=1
 fi
+if [ -n "${EXPLORE_LANES:-}" ]; then
+  log=explore_lanes.log step "explore final lanes" env PYTHONPATH=. python3 ci/explore_lanes.py || status=1
+fi
 if [ -n "${EXPLORE_DECODE:-}" ]; then
   log=explore.log step "explore decode splits" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
 fi

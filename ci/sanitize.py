@@ -1,8 +1,8 @@
 """Runs every kernel at least once on edge-shaped trees, for compute-sanitizer (ci/sanitize.sh).
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
-copies of copy-on-write, tree_partial (both tiles, closed and open items), tree_final and
-tree_merge (plans of both merge modes), paged_decode unsplit and split, merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
+copies of copy-on-write, tree_partial (both tiles, closed and open items), tree_final (one
+branch per program and packed) and tree_merge (plans of both merge modes), paged_decode unsplit and split, merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
 
@@ -15,6 +15,7 @@ kernels read).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 
@@ -107,6 +108,7 @@ class Checker:
         self.failures: list[str] = []
         self.checks = 0
         self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
+        self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
 
     def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         if out.is_cuda:
@@ -126,21 +128,22 @@ def queries(alloc, ids, group, seed=0):
 
 
 def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,),
-               merges=(None,)) -> None:
-    """tree_attention in every layer (one plan per chunking and merge mode), then paged_decode
-    over the same branches unsplit and split in four (the merge kernel)."""
+               merges=(None,), lanes=(None,)) -> None:
+    """tree_attention in every layer (one plan per chunking, merge mode and final lanes), then
+    paged_decode over the same branches unsplit and split in four (the merge kernel)."""
     q = queries(alloc, ids, group)
     refs = [reference.tree_attention(q, alloc, ids, layer) for layer in range(alloc.num_layers)]
-    for chunk in chunks:
-        for merge in merges:
-            plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
-                                     separate_merge=merge)
-            check.tiles.update(plan.arrays.items)
-            for layer in range(alloc.num_layers):
-                out = plan.run(q, layer, torch.full_like(q, float("nan")))
-                check(f"{name}: tree_attention layer {layer}, chunk {chunk}, separate merge "
-                      f"{plan.arrays.separate_merge}, partial tiles {sorted(plan.arrays.items)}",
-                      out, refs[layer])
+    for chunk, merge, lane in itertools.product(chunks, merges, lanes):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
+                                 separate_merge=merge, final_lanes=lane)
+        check.tiles.update(plan.arrays.items)
+        if not plan.arrays.separate_merge:
+            check.lanes.add(plan.arrays.final_lanes)
+        for layer in range(alloc.num_layers):
+            out = plan.run(q, layer, torch.full_like(q, float("nan")))
+            check(f"{name}: tree_attention layer {layer}, chunk {chunk}, separate merge "
+                  f"{plan.arrays.separate_merge}, final lanes {plan.arrays.final_lanes}, "
+                  f"partial tiles {sorted(plan.arrays.items)}", out, refs[layer])
     tables, lengths = alloc.block_tables(ids)
     device = q.device
     for splits in (1, 4):
@@ -164,13 +167,14 @@ def main() -> int:
                                              (torch.float16, 2, 256, 8)):
         name = f"edges {str(dtype)[6:]} d{head_dim} kv{kv_heads} group {group}"
         check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16),
-                   merges=(False, True))
+                   merges=(False, True), lanes=(None, 16 // group))
     for leaves in (4, 8):
         check_tree(check, f"shared prefix x{leaves}", *shared_prefix_tree(leaves), 4,
                    chunks=(None, 64), merges=(False, True))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
-          f"tiles run: {sorted(check.tiles)}", flush=True)
+          f"tiles run: {sorted(check.tiles)}; tree_final lanes run: {sorted(check.lanes)}",
+          flush=True)
     return 1 if check.failures else 0
 
 

@@ -546,16 +546,27 @@ def long_branches_tree(dtype, head_dim, device="cuda"):
                                     dtype=str(dtype).split(".")[-1]), device=device)
 
 
-def test_long_branches_tree_merges_separately():
+def packed_tree(dtype, head_dim, device="cuda"):
+    """256 leaves of 24 tokens under a 512-token root: on an H100 each final program serves
+    four branches."""
+    from flash_reasoning.bench import case_allocator, seed_case
+    return case_allocator(seed_case(256, prefix=512, leaf=24, num_kv_heads=8, head_dim=head_dim,
+                                    dtype=str(dtype).split(".")[-1]), device=device)
+
+
+def test_trees_take_the_final_kernels_they_are_meant_to():
+    """What the GPU tests below rely on (H100, 132 SMs): a separate merge, one branch per
+    final program, four."""
     from flash_reasoning import TreeAttentionPlan
-    alloc, ids = long_branches_tree(torch.float16, 128, device="cpu")
-    assert TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays.separate_merge
-    alloc, ids = seed_like_tree(torch.float16, 128, device="cpu")
-    assert not TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays.separate_merge
+    for make_tree, separate, lanes in ((long_branches_tree, True, 1), (seed_like_tree, False, 1),
+                                       (packed_tree, False, 4)):
+        alloc, ids = make_tree(torch.float16, 128, device="cpu")
+        arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
+        assert (arrays.separate_merge, arrays.final_lanes) == (separate, lanes)
 
 
 @gpu
-@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree])
+@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)
@@ -569,7 +580,8 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 
 
 @gpu
-@pytest.mark.parametrize("make_tree, length", [(seed_like_tree, 1040), (long_branches_tree, 3000)])
+@pytest.mark.parametrize("make_tree, length", [(seed_like_tree, 1040), (long_branches_tree, 3000),
+                                               (packed_tree, 536)])
 def test_gpu_plan_update_after_append(api, gpu_context, make_tree, length):
     alloc, ids = make_tree(torch.float16, 128)
     rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, 32))

@@ -49,6 +49,19 @@ def test_heuristic_follows_the_longest_range(no_tables, tokens, expected):
     assert dispatch.config_for("tree_partial", "float16", 128, "sm90", tokens, 16) == expected
 
 
+def test_packed_final_programs_have_their_own_rules(no_tables):
+    """Packed final programs (several branches each) take one config at any range; their
+    spec says PACKED, and a tuning run finds their rule list from the spec."""
+    for head_dim, tokens in itertools.product(dispatch.HEAD_DIMS, (8, 4096, None)):
+        assert dispatch.config_for("tree_final_packed", "float16", head_dim, "sm90", tokens) == \
+            dispatch.PACKED_FINAL_CONFIGS[head_dim]
+    packed = dispatch.tree_final_spec("float16", 128, "sm90", packed=True)
+    single = dispatch.tree_final_spec("float16", 128, "sm90")
+    assert (packed.key["PACKED"], single.key["PACKED"]) == (1, 0) and packed.name != single.name
+    assert (dispatch.rule_kernel(packed), dispatch.rule_kernel(single)) == \
+        ("tree_final_packed", "tree_final")
+
+
 def test_heuristic_split_wide_tile_and_head_dim_256(no_tables):
     assert dispatch.config_for("paged_decode_split", "float16", 128, "sm90", 8) == (64, 4, 3)
     assert dispatch.config_for("tree_final", "bfloat16", 256, "sm90", 8) == (64, 8, 2)

@@ -237,10 +237,12 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
     right or is stale), then a new plan over a random order of the live branches."""
     alloc = draw_allocator(data, limits, device)
     history = History(data, alloc, limits, tally)
-    plan_kw = dict(num_qo_heads=alloc.num_kv_heads * data.draw(st.integers(1, limits.max_group)),
+    group = data.draw(st.integers(1, limits.max_group))
+    plan_kw = dict(num_qo_heads=alloc.num_kv_heads * group,
                    target_chunk=data.draw(st.sampled_from(limits.target_chunks)),
                    separate_merge=data.draw(st.sampled_from([None, False, True])),
                    flat=data.draw(st.sampled_from([None, False, True])),
+                   final_lanes=data.draw(st.sampled_from([None, 1, max(1, 16 // group)])),
                    **(dict(arch="sm90", num_sms=4) if interpreted else {}))
 
     history.run(data.draw(st.integers(*limits.ops)))

@@ -173,6 +173,39 @@ def test_estimated_time_counts_launches_and_steps():
     assert plan_for(alloc, long, 32)[1].stats["estimated_us"] < 30
 
 
+@pytest.mark.parametrize("branches, heads, kv_heads, lanes", [
+    (256, 32, 8, 4),    # group 4: four branches fill the 16-row tile; 512 programs remain
+    (128, 32, 8, 2),    # four lanes would leave 256 programs, under 3 per SM
+    (64, 32, 8, 1),
+    (256, 32, 32, 16),  # group 1: sixteen
+    (256, 16, 1, 1),    # group 16 fills the tile alone
+    (256, 24, 8, 4),    # group 3: five fit, the power of two below is taken
+])
+def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_heads, lanes):
+    """Final-kernel programs serve as many branches as the narrow tile's rows hold over the
+    GQA group (a power of two), while at least 3 programs per SM remain."""
+    alloc = PhysicalKVAllocator(2 * branches + 8, 16, kv_heads, 64, device="cpu")
+    root = alloc.alloc_branch(256).branch_id
+    ids = [alloc.alloc_branch(272, parent_branch_id=root, fork_position=256).branch_id
+           for _ in range(branches)]
+    tree, arrays = plan_for(alloc, ids, heads, separate_merge=False, flat=False)
+    assert arrays.final_lanes == lanes
+    most = max(1, 16 // (heads // kv_heads))
+    for forced in (1, most):
+        assert plan_for(alloc, ids, heads, flat=False, final_lanes=forced)[1].final_lanes in (
+            forced, 1)  # 1: a plan that merges separately has no final kernel
+    for bad in (0, most + 1, 2.0):
+        with pytest.raises(ValueError, match="final_lanes"):
+            plan_for(alloc, ids, heads, final_lanes=bad)
+
+
+def test_lanes_do_not_apply_to_separate_merges():
+    alloc = PhysicalKVAllocator(600, 16, 8, 64, device="cpu")
+    ids = [alloc.alloc_branch(100).branch_id for _ in range(256)]
+    assert plan_for(alloc, ids, 32, separate_merge=True)[1].final_lanes == 1
+    assert plan_for(alloc, ids, 32, separate_merge=False)[1].final_lanes == 4
+
+
 def test_merge_steps_match_the_merge_kernel():
     from flash_reasoning import _launcher, dispatch
     assert _launcher.MERGE_SLOTS_PER_STEP == dispatch.MERGE_BLOCK_S

@@ -95,6 +95,30 @@ def test_separate_merge_follows_growth_interpreted():
 
 
 @interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, lanes", [((2, 2), 16), ((6, 2), 3), ((8, 2), 2), ((8, 2), 4)])
+def test_packed_final_interpreted(dtype, heads, lanes):
+    """Final programs that serve several branches (groups 1, 3, 4: one with a lane count
+    that leaves tile rows and tokens over), their final ranges of unequal length (one left
+    behind by decode steps), a last program with lanes but no branch."""
+    from aot.interpret import run_interpreted
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, branches=13, tokens=60,
+                        seed=lanes)
+    plan = TreeAttentionPlan(alloc, ids, heads[0], num_sms=4, arch="sm90",
+                             separate_merge=False, final_lanes=lanes)
+    assert plan.arrays.final_lanes == lanes and plan._templates[-1][0].key["PACKED"] == 1
+    gen = torch.Generator().manual_seed(lanes)
+    for step in range(2):
+        q = queries(alloc, ids, heads[0], seed=step)
+        out = poisoned_like(q)
+        run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+        check(out, q, alloc, ids)
+        grown = alloc.reserve(ids[1:])
+        alloc.append(grown, 0, *random_kv(alloc, gen, len(ids) - 1))
+        plan.refresh()
+
+
+@interpreter
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_kernels_interpreted_head_dims(head_dim):
     alloc, ids = forest("cpu", head_dim=head_dim, branches=5, tokens=30, seed=head_dim)
@@ -242,9 +266,12 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
                         block_size=16, roots=1 + seed % 2)
     q = queries(alloc, ids, group * kv_heads, seed)
     auto = TreeAttentionPlan(alloc, ids, q.shape[1]).arrays
-    for separate, flat in ((None, None), (not auto.separate_merge, None), (None, False),
-                           (None, True)):
-        plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate, flat=flat)
+    most_lanes = max(1, 16 // group)
+    for separate, flat, lanes in ((None, None, None), (not auto.separate_merge, None, None),
+                                  (None, False, None), (None, True, None),
+                                  (False, None, most_lanes), (False, None, seed % most_lanes + 1)):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate, flat=flat,
+                                 final_lanes=lanes)
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 

@@ -132,13 +132,16 @@ def fake_manifest():
         entry("paged_decode", 32, 2, 2, BLOCK_M=16, SPLIT=0),
         entry("paged_decode", 64, 4, 3, BLOCK_M=16, SPLIT=1),
         entry("tree_partial", 64, 4, 3, BLOCK_M=64), entry("tree_partial", 32, 2, 2, BLOCK_M=16),
-        entry("tree_final", 32, 2, 2, BLOCK_M=16)]}
+        entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0),
+        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1)]}
 
 
 def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     manifest = fake_manifest()
     assert tune.compiled_configs(manifest, "paged_decode/float16/128") == [(32, 2, 2), (64, 4, 2)]
     assert tune.compiled_configs(manifest, "paged_decode_split/float16/128") == [(64, 4, 3)]
+    assert tune.compiled_configs(manifest, "tree_final/float16/128") == [(32, 2, 2)]
+    assert tune.compiled_configs(manifest, "tree_final_packed/float16/128") == [(64, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/64") == [(64, 4, 3)]
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/16") == [(32, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final/bfloat16/128") == []

@@ -45,14 +45,59 @@ def attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, start, e
         page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
         s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        # Every tile holds at least one valid key (n0 < end), so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # Every tile holds at least one valid key (n0 < end): no row is empty.
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, False)
     return m_i, l_i, acc
+
+
+@triton.jit
+def attend_lanes(qt, row_lane, k_pool, v_pool, tables, start, end, tokens_per_lane, kv_head,
+                 num_kv_heads, page_size, sm_scale_log2, HEAD_DIM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``attend`` for a tile whose rows belong to several sequences (*lanes*): row ``r`` to lane
+    ``row_lane[r]``. Token ``t`` of each KV tile is lane ``t // tokens_per_lane``'s; ``tables``,
+    ``start`` and ``end`` are per token: its lane's block table row and range (an empty range for
+    a lane without a sequence). Each step loads ``tokens_per_lane`` tokens of every lane's range,
+    a row sees its own lane's keys only, and the loop runs until the longest range ends; a row
+    whose lane has no keys gives (-inf, 0, 0)."""
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_N)
+    own_lane = row_lane[:, None] == (t // tokens_per_lane)[None, :]
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    n = start + t % tokens_per_lane
+    page = tl.load(tables + n // page_size, mask=n < end, other=0)  # one step ahead, as attend
+    for _ in tl.range(0, tl.cdiv(tl.max(end - start, 0), tokens_per_lane)):
+        n_ok = n < end
+        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+        kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        n += tokens_per_lane
+        page = tl.load(tables + n // page_size, mask=n < end, other=0)
+        s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
+        s = tl.where(own_lane & n_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, ROWS_MAY_BE_EMPTY: tl.constexpr):
+    """One KV tile folded into the running (row max in base 2, row sum, output): ``s`` its
+    scores in base 2 (masked keys -inf), ``v`` its values. With ``ROWS_MAY_BE_EMPTY`` a row
+    that has seen only masked keys stays (-inf, 0, 0); without, every row must have a key in
+    the first tile (else its max is -inf and exp2 gives NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if ROWS_MAY_BE_EMPTY:
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        ref = m_new
+    alpha = tl.exp2(m_i - ref)
+    p = tl.exp2(s - ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit

@@ -12,7 +12,10 @@ are contiguous.
 final range ``[final_start, seq_len)``, then the log-sum-exp merge with the branch's partial
 slots ``[merge_ptr[b], merge_ptr[b + 1])`` (addressed directly, no index load in the
 chain), then the output. The final range's end is read on the device, so a plan
-stays valid while the branches only grow.
+stays valid while the branches only grow. ``PACKED``: a GQA group of at most BLOCK_M // 2
+heads leaves tile rows free, so each program serves ``lanes`` branches (``order[p * lanes:
+(p + 1) * lanes]``), one group of rows each, and walks their final ranges side by side
+(``attention_core.attend_lanes``): fewer, longer programs, more loads in flight.
 
 A plan that merges separately (``Plan.separate_merge``: a final program would walk a long
 range or fold many partials one after another) has no final launch: every chunk of every
@@ -24,7 +27,8 @@ import triton.language as tl
 
 from flash_reasoning.specializations import TREE_ITEM_FIELDS
 
-from .attention_core import attend, fold_partials, group_rows, merge_partial, normalise
+from .attention_core import (attend, attend_lanes, fold_partials, group_rows, merge_partial,
+                             normalise)
 
 ITEM_STRIDE = tl.constexpr(len(TREE_ITEM_FIELDS))
 TABLE_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("table_row"))
@@ -72,33 +76,77 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
 
 
 @triton.jit
-def tree_final(q, k_pool, v_pool, block_tables, seq_lens, final_start, merge_ptr,
+def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, merge_ptr,
                partial_out, partial_lse, out, sm_scale_log2, num_qo_heads, num_kv_heads,
-               page_size, max_blocks,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head, head, row_ok = group_rows(tl.program_id(1), num_qo_heads, num_kv_heads, BLOCK_M)
+               page_size, max_blocks, num_rows, lanes,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               PACKED: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
-
+    if PACKED:
+        lane, head, row_ok = lane_rows(tl.program_id(1), num_qo_heads, num_kv_heads, lanes,
+                                       BLOCK_M)
+        kv_head = tl.program_id(1)
+        first = tl.program_id(0) * lanes
+        row_ok = row_ok & (first + lane < num_rows)
+        seq = tl.load(order + first + lane, mask=row_ok, other=0)
+    else:
+        seq = tl.program_id(0)
+        kv_head, head, row_ok = group_rows(tl.program_id(1), num_qo_heads, num_kv_heads, BLOCK_M)
     q_rows = seq.to(tl.int64) * num_qo_heads + head
     qt = tl.load(q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
-    # Lengths past the table's capacity are clamped: never read outside the table.
-    seq_len = tl.minimum(tl.load(seq_lens + seq), max_blocks * page_size)
-    table = block_tables + seq.to(tl.int64) * max_blocks
-    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size,
-                           tl.load(final_start + seq), seq_len, sm_scale_log2,
-                           HEAD_DIM, BLOCK_M, BLOCK_N)
+    if PACKED:
+        tokens_per_lane = BLOCK_N // lanes
+        tok_lane = tl.arange(0, BLOCK_N) // tokens_per_lane
+        tok_ok = (tok_lane < lanes) & (first + tok_lane < num_rows)
+        tok_seq = tl.load(order + first + tok_lane, mask=tok_ok, other=0)
+        start, end = final_range(tok_seq, tok_ok, seq_lens, final_start, page_size, max_blocks)
+        m_i, l_i, acc = attend_lanes(qt, lane, k_pool, v_pool,
+                                     block_tables + tok_seq.to(tl.int64) * max_blocks, start, end,
+                                     tokens_per_lane, kv_head, num_kv_heads, page_size,
+                                     sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+        lo = tl.load(merge_ptr + seq, mask=row_ok, other=0)
+        count = tl.load(merge_ptr + seq + 1, mask=row_ok, other=0) - lo
+        steps = tl.max(count, 0)
+    else:
+        start, end = final_range(seq, True, seq_lens, final_start, page_size, max_blocks)
+        m_i, l_i, acc = attend(qt, k_pool, v_pool, block_tables + seq.to(tl.int64) * max_blocks,
+                               kv_head, num_kv_heads, page_size, start, end, sm_scale_log2,
+                               HEAD_DIM, BLOCK_M, BLOCK_N)
+        lo = tl.load(merge_ptr + seq)
+        count = tl.load(merge_ptr + seq + 1) - lo
+        steps = count
     o, m = normalise(m_i, l_i, acc)
     denom = tl.where(m == float("-inf"), 0.0, 1.0)
-    for slot in range(tl.load(merge_ptr + seq), tl.load(merge_ptr + seq + 1)):
-        part = head.to(tl.int64) + slot * num_qo_heads  # entries x heads < 2**31
-        lse = tl.load(partial_lse + part, mask=row_ok, other=float("-inf"))
-        o_part = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :],
-                         mask=row_ok[:, None], other=0.0)
+    for j in range(0, steps):
+        part = head.to(tl.int64) + (lo + j) * num_qo_heads  # entries x heads < 2**31
+        ok = row_ok & (j < count)
+        lse = tl.load(partial_lse + part, mask=ok, other=float("-inf"))
+        o_part = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
+                         other=0.0)
         m, denom, o = merge_partial(m, denom, o, lse, o_part)
     o = o / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out + q_rows[:, None] * HEAD_DIM + d[None, :], o.to(out.dtype.element_ty),
              mask=row_ok[:, None])
+
+
+@triton.jit
+def lane_rows(kv_head, num_qo_heads, num_kv_heads, lanes, BLOCK_M: tl.constexpr):
+    """A packed tile's rows: row ``f`` is head ``f % group`` of the group of ``kv_head`` in lane
+    ``f // group`` (the group is at most BLOCK_M // 2 here). Returns (lane, query head, row in
+    a lane)."""
+    group = num_qo_heads // num_kv_heads
+    f = tl.arange(0, BLOCK_M)
+    lane = f // group
+    return lane, kv_head * group + f % group, lane < lanes
+
+
+@triton.jit
+def final_range(seq, ok, seq_lens, final_start, page_size, max_blocks):
+    """Row ``seq``'s final range [start, end): its end is its length now, clamped to the
+    table's capacity (never read outside the table); empty where not ``ok``."""
+    start = tl.load(final_start + seq, mask=ok, other=0)
+    end = tl.minimum(tl.load(seq_lens + seq, mask=ok, other=0), max_blocks * page_size)
+    return start, tl.maximum(end, start)
 
 
 @triton.jit

@@ -178,11 +178,12 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
       continue;
     }
     int64_t length = t.lengths[b] - p.final_start[b];
-    walk = std::max(walk, ceil_div(length, kChunkAlign) + partials);
+    // A packed program's tile holds kChunkAlign / final_lanes tokens of each lane's range.
+    walk = std::max(walk, ceil_div(length * p.final_lanes, kChunkAlign) + partials);
     tokens += length;
   }
   if (p.separate_merge) return launch_us(double(walk), partial_bytes);
-  int64_t programs = t.num_rows() * shape.num_kv_heads * ceil_div(shape.group(), shape.block_ms[0]);
+  int64_t programs = ceil_div(t.num_rows(), p.final_lanes) * shape.final_tiles();
   int64_t waves = ceil_div(programs, kFinalProgramsPerSm * shape.num_sms);
   return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes);
 }
@@ -229,6 +230,14 @@ int64_t chunk_length(int64_t length, int64_t target) {
 
 bool merge_separately(int64_t longest_final_walk, bool adds_launch) {
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
+}
+
+int64_t final_lanes(int64_t rows, const PlanShape& shape) {
+  int64_t lanes = 1;
+  while (lanes * 2 <= shape.max_final_lanes() &&
+         ceil_div(rows, lanes * 2) * shape.final_tiles() >= kMinFinalProgramsPerSm * shape.num_sms)
+    lanes *= 2;
+  return lanes;
 }
 
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
@@ -307,6 +316,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   p.order.assign(tree.order.begin(), tree.order.end());
   merge_slots(tree, &p);
   make_items(p, chunk_block_m, shape.group(), &p.items);
+  if (!p.separate_merge) p.final_lanes = options.final_lanes ? options.final_lanes : final_lanes(tree.num_rows(), shape);
   p.estimated_us = estimated_us(p, tree, shape);
   *out = std::move(p);
   return Status::Ok();
@@ -318,6 +328,11 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
   Status st = check_shape(shape);
   if (!st.ok()) return st;
   if (options.target_chunk < 0) return Status::Error(Code::kInvalidArgument, "target_chunk must be >= 0");
+  if (options.final_lanes < 0 || options.final_lanes > shape.max_final_lanes())
+    return Status::Error(Code::kInvalidArgument, "final_lanes must be 0 (chosen) or 1.." +
+                                                     std::to_string(shape.max_final_lanes()) +
+                                                     " (the narrow tile's rows over the GQA group), got " +
+                                                     std::to_string(options.final_lanes));
   Plan plan;
   if (!(st = build_plan(tree, shape, options, options.flat == 1, &plan)).ok()) return st;
   if (options.flat < 0 && plan.computed_nodes && flat_may_win(tree, shape, plan.estimated_us)) {

@@ -25,10 +25,12 @@
 // C ABI both plan through this file.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <vector>
 
+#include "int_math.h"
 #include "segment_tree.h"
 #include "status.h"
 
@@ -65,6 +67,12 @@ constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
 constexpr int64_t kFinalProgramsPerSm = 6;
 // Partial slots the merge kernel folds per step (dispatch.MERGE_BLOCK_S; a test checks).
 constexpr int64_t kMergeSlotsPerStep = 16;
+// Final-kernel lanes: a GQA group of at most half the narrow tile leaves rows free, which the
+// groups of further branches fill (a packed program walks their final ranges side by side).
+// Fewer, longer programs keep more loads in flight; final_lanes() takes the most lanes, a power
+// of two, that leave kMinFinalProgramsPerSm programs per SM (H100, docs/perf.md session 11:
+// 256 leaves of 64 tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes; 64 leaves lose at 2).
+constexpr int64_t kMinFinalProgramsPerSm = 3;
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
@@ -83,6 +91,10 @@ struct PlanShape {
   std::array<int64_t, 2> block_ms = {16, 64};
 
   int64_t group() const { return num_qo_heads / num_kv_heads; }
+  // Branches one final-kernel program can serve: its narrow tile's rows over the group.
+  int64_t max_final_lanes() const { return std::max<int64_t>(1, block_ms[0] / group()); }
+  // Final-kernel programs per branch (per lane when packed): the group's narrow tiles.
+  int64_t final_tiles() const { return num_kv_heads * ceil_div(group(), block_ms[0]); }
   int64_t kv_bytes_per_token() const { return 2 * num_kv_heads * head_dim * dtype_bytes; }
   // One branch's fp32 partial (output and LSE of every head), written then read.
   int64_t partial_bytes_per_row() const { return 2 * num_qo_heads * (head_dim + 1) * 4; }
@@ -93,6 +105,7 @@ struct PlanOptions {
   double reread_weight = kRereadWeight;
   int separate_merge = -1;   // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
   int flat = -1;             // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
+  int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_final_lanes()
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
@@ -109,6 +122,8 @@ struct ItemList {
 // chunk (chunk_open[c]) ends at its row's length at run time instead. Row b's final range is
 // [final_start[b], its length); it merges slots merge_ptr[b]:merge_ptr[b + 1]. With
 // separate_merge, each final range is chunks too (its last one open) and no final kernel runs.
+// Final-kernel program p serves rows order[p * final_lanes:(p + 1) * final_lanes] when
+// final_lanes > 1 (the packed kernel), row p otherwise.
 struct Plan {
   std::vector<int32_t> order;
   std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0,
@@ -119,6 +134,7 @@ struct Plan {
   int64_t computed_nodes = 0;
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
+  int64_t final_lanes = 1;  // branches per final-kernel program (1 when merging separately)
   double estimated_us = 0;  // estimated_us() of this plan
 };
 
@@ -134,6 +150,7 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
+int64_t final_lanes(int64_t rows, const PlanShape& shape);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 

@@ -138,14 +138,19 @@ Status TreeAttentionPlan::pick_kernels() {
   return pick_final_kernel();
 }
 
-// By the longest final range, which grows with the leaves: picked again on each update.
+// By the longest final range, which grows with the leaves: picked again on each update. A
+// packed program walks its lanes' ranges side by side.
 Status TreeAttentionPlan::pick_final_kernel() {
   if (plan_.separate_merge) return Status::Ok();  // no final kernel
   int64_t longest = 0;
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
-  return ctx_.pick("tree_final/" + shape_.rule_suffix(), longest, num_branches() * final_tiles_, &last_kernel_);
+  const char* kernel = plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
+  return ctx_.pick(kernel + shape_.rule_suffix(), longest * plan_.final_lanes, final_programs() * final_tiles_,
+                   &last_kernel_);
 }
+
+int64_t TreeAttentionPlan::final_programs() const { return ceil_div(num_branches(), plan_.final_lanes); }
 
 Status TreeAttentionPlan::allocate_and_upload() {
   int64_t n = num_branches();
@@ -196,13 +201,14 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                        {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
                         {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
                        stream);
-  return ctx_.launch(last_kernel_, num_branches(), final_tiles_, 1,
+  return ctx_.launch(last_kernel_, final_programs(), final_tiles_, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
-                      {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
+                      {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
                       {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)},
                       {"partial_out", device(d_partial_out_)}, {"partial_lse", device(d_partial_lse_)},
                       {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
-                      {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols}},
+                      {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
+                      {"num_rows", Arg::Int(num_branches())}, {"lanes", Arg::Int(plan_.final_lanes)}},
                      stream);
 }
 

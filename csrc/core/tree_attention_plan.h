@@ -45,6 +45,8 @@ class TreeAttentionPlan {
   TreeAttentionPlan(Context& ctx, AttentionShape shape) : ctx_(ctx), shape_(std::move(shape)) {}
   Status pick_kernels();
   Status pick_final_kernel();
+  // Final-kernel programs per GQA tile: a packed program serves plan_.final_lanes branches.
+  int64_t final_programs() const;
   Status allocate_and_upload();
   // Validates `tree` against the plan (same branches, each still holding the blocks the plan
   // reads for several branches) and fills `tables`/`lengths` (max_blocks_ columns).
@@ -61,7 +63,7 @@ class TreeAttentionPlan {
   std::vector<int64_t> work_offset_;  // element offset of each of those lists in work_
   std::vector<int> partial_kernels_;  // per plan_.items entry
   int last_kernel_ = -1;     // tree_final, or tree_merge when the plan merges separately
-  int64_t final_tiles_ = 0;  // tree_final programs per branch: the KV heads' GQA tiles
+  int64_t final_tiles_ = 0;  // tree_final programs per branch (per lane group): the KV heads' GQA tiles
   CUdeviceptr workspace_ = 0;
   size_t workspace_bytes_ = 0;
   CUdeviceptr d_tables_ = 0, d_lengths_ = 0, d_work_ = 0, d_partial_out_ = 0, d_partial_lse_ = 0;

@@ -31,10 +31,12 @@ MAX_SPLITS = 64
 TREE_BLOCK_MS = (16, 64)
 #: (kernel, block_m) of every rule list of one dtype and head_dim: ``paged_decode`` (one
 #: program per sequence and GQA tile), ``paged_decode_split`` (a split decode: few programs),
-#: ``tree_final`` and ``tree_partial`` (a list per query-row tile). A rule list
+#: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``)
+#: and ``tree_partial`` (a list per query-row tile). A rule list
 #: (``tuning_table.Rules``) gives a config by the launch's programs per SM and the most tokens
 #: one program walks; the manifest exports the same lists.
-RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None)) + \
+RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None),
+              ("tree_final_packed", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
@@ -49,6 +51,11 @@ LONG_RANGE_CONFIG = (64, 4, 2)
 FEW_PROGRAMS_CONFIG = (64, 4, 3)
 #: head_dim 256: its accumulator needs twice the warps; larger tiles overflow shared memory.
 HEAD_DIM_256_CONFIG = (64, 8, 2)
+#: Packed final programs walk several short ranges side by side: a 64-token tile shared by the
+#: lanes, two warps; head_dim 256 a 32-token tile, four warps (H100, 256 leaves of 64 tokens x
+#: 8 KV heads at 4 lanes: 33.9 us at 64/2/2, 37.1 at 32/2/2, 38.9 at 128/4/2; head_dim 256
+#: 69.8 at 32/4/2, 87.6 at 64/8/2; docs/perf.md session 11).
+PACKED_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
 
 
 def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
@@ -62,6 +69,8 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
         if arch == "sm89":
             return _any_launch((64, 8, 1) if head_dim == 256 else (64, 4, 2))
         return _any_launch(HEAD_DIM_256_CONFIG if head_dim == 256 else (64, 4, 3))
+    if kernel == "tree_final_packed":
+        return _any_launch(PACKED_FINAL_CONFIGS[head_dim])
     if head_dim == 256:
         return _any_launch(HEAD_DIM_256_CONFIG)
     if kernel == "paged_decode_split":
@@ -212,13 +221,16 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
 
 
 @functools.lru_cache(maxsize=None)
-def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None) -> Spec:
-    """One branch's GQA group per program, like the decode kernel."""
+def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
+                    packed: bool = False) -> Spec:
+    """One branch's GQA group per program, like the decode kernel, or (``packed``) the groups
+    of several branches."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    block_n, warps, stages = config or config_for("tree_final", dtype, head_dim, arch)
+    kernel = "tree_final_packed" if packed else "tree_final"
+    block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-                     BLOCK_N=block_n)
+                     BLOCK_N=block_n, PACKED=int(packed))
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
@@ -226,9 +238,16 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
     """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``."""
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config)
-    if kernel == "tree_final":
-        return tree_final_spec(dtype, head_dim, arch, config)
+    if kernel in ("tree_final", "tree_final_packed"):
+        return tree_final_spec(dtype, head_dim, arch, config, kernel == "tree_final_packed")
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config)
+
+
+def rule_kernel(spec: Spec) -> str:
+    """The kernel of the rule list that picks ``spec`` (packed final programs have their own)."""
+    if spec.family == "tree_final" and spec.key["PACKED"]:
+        return "tree_final_packed"
+    return spec.family
 
 
 def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:

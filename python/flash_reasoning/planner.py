@@ -15,7 +15,9 @@ KV tiles, then folds its branch's partials one after another; a plan where some 
 is ``SEPARATE_MERGE_STEPS`` long *merges separately* instead: every chunk of every final range
 is a partial item (the last one *open*: it reads to its branch's length at run time), and a
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
-runs.
+runs. Where the GQA group leaves rows of the final kernel's tile free, one final program serves
+``final_lanes`` branches (a power of two, while 3 programs per SM remain) and walks their final
+ranges side by side.
 
 Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
 tree cannot repay (one KV head: 512 bytes a token). So the tree is also planned *flat* (every
@@ -62,7 +64,9 @@ class PlanArrays:
     records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``). Branch (row) ``b``'s final
     range is ``[final_start[b], its length)``; it merges the partial slots
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
-    ``separate_merge`` the final ranges are chunks too and no final kernel runs. ``work`` holds
+    ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
+final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
+packed kernel, when above 1; row ``p`` otherwise). ``work`` holds
     order, final_start, merge_ptr, entry_slot and each tile's items packed for one upload,
     list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
@@ -81,21 +85,26 @@ class PlanArrays:
     work: np.ndarray
     work_offsets: np.ndarray
     separate_merge: bool
+    final_lanes: int
     stats: dict = field(default_factory=dict)
 
 
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
          reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
-         flat: bool | None = None) -> PlanArrays:
+         flat: bool | None = None, final_lanes: int | None = None) -> PlanArrays:
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
-    ``separate_merge`` and ``flat`` override the cost model, for tuning and tests; ``flat=False``
-    keeps the cost model's folds, ``True`` folds every node). ``ValueError`` when the partials
-    would overflow the kernels' int32 indexing."""
+    ``separate_merge``, ``flat`` and ``final_lanes`` override the cost model, for tuning and
+    tests; ``flat=False`` keeps the cost model's folds, ``True`` folds every node;
+    ``final_lanes`` from 1 to the narrow tile's 16 rows over the GQA group). ``ValueError``
+    when the partials would overflow the kernels' int32 indexing, or for lanes out of range."""
+    if final_lanes is not None and (type(final_lanes) is not int or final_lanes < 1):
+        raise ValueError(f"final_lanes must be a positive int or None, got {final_lanes!r}")
     try:
         raw = _launcher.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
                              target_chunk or 0, reread_weight,
-                             _tristate(separate_merge), _tristate(flat))
+                             _tristate(separate_merge), _tristate(flat),
+                             final_lanes or 0)
     except _launcher.LauncherError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),

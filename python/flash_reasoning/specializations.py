@@ -79,10 +79,11 @@ TREE_PARTIAL = Family(
 
 TREE_FINAL = Family(
     name="tree_final",
-    params=_TREE_COMMON + (("final_start", "*i32"), ("merge_ptr", "*i32"),
+    params=_TREE_COMMON + (("order", "*i32"), ("final_start", "*i32"), ("merge_ptr", "*i32"),
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
-                           ("out", "*{dt}")) + _TREE_SCALARS,
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N"),
+                           ("out", "*{dt}")) + _TREE_SCALARS
+    + (("num_rows", "i32"), ("lanes", "i32")),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED"),
 )
 
 TREE_MERGE = Family(

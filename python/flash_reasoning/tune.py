@@ -127,10 +127,12 @@ def _winner(samples: list[Sample]) -> Config:
 def compiled_configs(manifest: dict, key: str) -> list[Config]:
     """The (BLOCK_N, warps, stages) configs compiled for rule list ``key``."""
     kernel, dtype, head_dim, *block_m = key.split("/")
-    family = "paged_decode" if kernel.startswith("paged_decode") else kernel
+    family = "paged_decode" if kernel.startswith("paged_decode") else kernel.removesuffix("_packed")
     wanted = {"dtype": dtype, "HEAD_DIM": int(head_dim)}
     if family == "paged_decode":
         wanted["SPLIT"] = int(kernel == "paged_decode_split")
+    if family == "tree_final":
+        wanted["PACKED"] = int(kernel == "tree_final_packed")
     wanted["BLOCK_M"] = int(block_m[0]) if block_m else dispatch.BLOCK_M
     return sorted({(k["key"]["BLOCK_N"], k["num_warps"], k["num_stages"])
                    for k in manifest["kernels"] if k["kernel"] == family
@@ -169,7 +171,7 @@ class Tuner:
         # A plan that merges separately ends with tree_merge (one config, no rule list) and
         # no length of its own: zip stops before it.
         for launch, max_tokens in zip(launches, plan.launch_max_tokens):
-            kernel = launch.spec.family
+            kernel = dispatch.rule_kernel(launch.spec)
             block_m = dict(launch.spec.constexprs)["BLOCK_M"] if kernel == "tree_partial" else None
             key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
             runs = {config: [replace(launch, spec=dispatch.kernel_spec(

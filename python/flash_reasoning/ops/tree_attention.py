@@ -45,15 +45,15 @@ class TreeAttentionPlan:
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
-    ``separate_merge`` and ``flat`` force the planner's choices (``flash_reasoning.planner``),
-    for tuning and tests.
+    ``separate_merge``, ``flat`` and ``final_lanes`` force the planner's choices
+    (``flash_reasoning.planner``), for tuning and tests.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                  num_qo_heads: int, sm_scale: float | None = None,
                  target_chunk: int | None = None, num_sms: int | None = None,
                  arch: str | None = None, separate_merge: bool | None = None,
-                 flat: bool | None = None) -> None:
+                 flat: bool | None = None, final_lanes: int | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -76,7 +76,7 @@ class TreeAttentionPlan:
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
                               allocator.k_pools[0].element_size(), self.num_sms)
         self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
-                                   flat=flat)
+                                   flat=flat, final_lanes=final_lanes)
         self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
@@ -185,14 +185,20 @@ class TreeAttentionPlan:
                               (self._merge_ptr, self.partial_out, self.partial_lse, "out",
                                self.num_qo_heads)))
             return templates
+        # A packed program walks its lanes' final ranges side by side.
+        lanes = self.arrays.final_lanes
+        kernel = "tree_final_packed" if lanes > 1 else "tree_final"
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
-        final_tokens = int((lengths - self.arrays.final_start).max())
+        programs = -(-self.num_branches // lanes)
+        final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
         self.launch_max_tokens.append(final_tokens)
-        final_config = self._config("tree_final", dtype, final_tokens, self.num_branches * tiles)
-        templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config),
-                          (self.num_branches, tiles, 1),
-                          paged + (self._final_start, self._merge_ptr, self.partial_out,
-                                   self.partial_lse, "out") + scalars))
+        final_config = self._config(kernel, dtype, final_tokens, programs * tiles)
+        templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
+                                                   lanes > 1),
+                          (programs, tiles, 1),
+                          paged + (self._order, self._final_start, self._merge_ptr,
+                                   self.partial_out, self.partial_lse, "out") + scalars
+                          + (self.num_branches, lanes)))
         return templates
 
     def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,

@@ -1,0 +1,74 @@
+"""Final-kernel lanes (``Plan.final_lanes``): each case planned at every lane count, timed
+whole and interleaved, and the packed final launch JIT-compiled at each decode-tile config:
+the data behind kMinFinalProgramsPerSm (csrc/core/planner.h) and
+``dispatch.PACKED_FINAL_CONFIG``. Run on a GPU:
+PYTHONPATH=.:python python3 ci/explore_lanes.py [CASE...]"""
+import sys
+
+import torch
+
+from aot.grid import DECODE_TILE_CANDIDATES, fits_shared_memory
+from aot.kernels import JIT_FUNCTIONS
+from flash_reasoning import TreeAttentionPlan, bench, runtime, timing
+
+RUNS = 30
+#: Cases beyond the cases file: the seed's 128-branch row and other head dims.
+EXTRA = [bench.seed_case(128), bench.seed_case(256, head_dim=64), bench.seed_case(256, head_dim=256)]
+
+
+def jit_launch(launch, config):
+    """``launch`` through Triton's JIT at (BLOCK_N, warps, stages) ``config``."""
+    block_n, warps, stages = config
+    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n}
+    kernel = JIT_FUNCTIONS[launch.spec.family][launch.grid]
+    return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
+
+
+def explore(case):
+    alloc, leaves = bench.case_allocator(case, random=False)
+    heads, dim = case["num_qo_heads"], case["head_dim"]
+    q = torch.randn(len(leaves), heads, dim, device="cuda").to(alloc.dtype)
+    out = torch.empty_like(q)
+    auto = TreeAttentionPlan(alloc, leaves, heads)
+    name = f"{case['name']}/d{dim}"
+    if auto.arrays.separate_merge:
+        print(f"{name:28} merges separately: no final launch", flush=True)
+        return
+    most = max(1, 16 // (heads // case["num_kv_heads"]))
+    plans = {lanes: TreeAttentionPlan(alloc, leaves, heads, final_lanes=lanes)
+             for lanes in (1, 2, 4, 8, 16) if lanes <= most}
+    whole = timing.median_us_each({lanes: (lambda p=p: p.run(q, 0, out))
+                                   for lanes, p in plans.items()}, RUNS)
+    finals = {lanes: p.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)[-1]
+              for lanes, p in plans.items()}
+    final_us = timing.median_us_each({lanes: (lambda l=l: runtime.run([l], q.device))
+                                      for lanes, l in finals.items()}, RUNS)
+    print(f"{name:28} auto L{auto.arrays.final_lanes} | whole "
+          + " ".join(f"L{k}:{v:.1f}" for k, v in whole.items()) + " | final "
+          + " ".join(f"L{k}:{v:.1f}" for k, v in final_us.items()), flush=True)
+    lanes = max(k for k in plans if k > 1) if len(plans) > 1 else None
+    if lanes is None:
+        return
+    launch = finals[lanes]
+    configs = {c: jit_launch(launch, c) for c in DECODE_TILE_CANDIDATES
+               if fits_shared_memory(runtime.arch_of(q.device.index), dim, 16, c)}
+    for fn in configs.values():
+        fn()
+    times = timing.median_us_each(configs, RUNS)
+    print(f"{'':28} L{lanes} packed configs (JIT): "
+          + " ".join(f"{'/'.join(map(str, c))}:{t:.1f}" for c, t in sorted(times.items(),
+                                                                           key=lambda x: x[1])),
+          flush=True)
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), flush=True)
+    cases = {c["name"]: c for c in bench.load_cases()["cases"]}
+    for case in EXTRA:
+        cases[f"{case['name']}/d{case['head_dim']}"] = case
+    for name in sys.argv[1:] or cases:
+        explore(cases[name])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
