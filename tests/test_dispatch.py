@@ -62,6 +62,13 @@ def test_packed_final_programs_have_their_own_rules(no_tables):
         ("tree_final_packed", "tree_final")
 
 
+def test_each_rule_lists_specs_name_it_back(no_tables):
+    """rule_kernel inverts kernel_spec for every rule list (RULE_LIST_SPECS covers them)."""
+    for kernel, block_m in dispatch.RULE_LISTS:
+        spec = dispatch.kernel_spec(kernel, "float16", 128, "sm90", (32, 2, 2), block_m)
+        assert dispatch.rule_kernel(spec) == kernel
+
+
 def test_heuristic_split_wide_tile_and_head_dim_256(no_tables):
     assert dispatch.config_for("paged_decode_split", "float16", 128, "sm90", 8) == (64, 4, 3)
     assert dispatch.config_for("tree_final", "bfloat16", 256, "sm90", 8) == (64, 8, 2)

@@ -38,6 +38,12 @@ TREE_BLOCK_MS = (16, 64)
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None),
               ("tree_final_packed", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
+#: The kernel family and the specialization keys each rule list's kernel stands for.
+RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
+                   "paged_decode_split": ("paged_decode", {"SPLIT": 1}),
+                   "tree_final": ("tree_final", {"PACKED": 0}),
+                   "tree_final_packed": ("tree_final", {"PACKED": 1}),
+                   "tree_partial": ("tree_partial", {})}
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
 #: this many tokens: a short range is mostly fixed cost, so small tiles that let many programs
@@ -227,8 +233,8 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
     of several branches."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    kernel = "tree_final_packed" if packed else "tree_final"
-    block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
+    block_n, warps, stages = config or config_for(tree_final_kernel(packed), dtype, head_dim,
+                                                  arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
                      BLOCK_N=block_n, PACKED=int(packed))
 
@@ -238,16 +244,21 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
     """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``."""
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config)
-    if kernel in ("tree_final", "tree_final_packed"):
-        return tree_final_spec(dtype, head_dim, arch, config, kernel == "tree_final_packed")
+    if kernel in (tree_final_kernel(False), tree_final_kernel(True)):
+        return tree_final_spec(dtype, head_dim, arch, config, kernel == tree_final_kernel(True))
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config)
 
 
+def tree_final_kernel(packed: bool) -> str:
+    """The rule list of a ``tree_final`` launch: packed programs (several branches each) have
+    their own."""
+    return "tree_final_packed" if packed else "tree_final"
+
+
 def rule_kernel(spec: Spec) -> str:
-    """The kernel of the rule list that picks ``spec`` (packed final programs have their own)."""
-    if spec.family == "tree_final" and spec.key["PACKED"]:
-        return "tree_final_packed"
-    return spec.family
+    """The kernel of the rule list that picks ``spec`` (:data:`RULE_LIST_SPECS`)."""
+    return next(kernel for kernel, (family, key) in RULE_LIST_SPECS.items()
+                if family == spec.family and all(spec.key[k] == v for k, v in key.items()))
 
 
 def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:

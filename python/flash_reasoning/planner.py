@@ -65,8 +65,8 @@ class PlanArrays:
     range is ``[final_start[b], its length)``; it merges the partial slots
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
-final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
-packed kernel, when above 1; row ``p`` otherwise). ``work`` holds
+    final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
+    packed kernel, when above 1; row ``p`` otherwise). ``work`` holds
     order, final_start, merge_ptr, entry_slot and each tile's items packed for one upload,
     list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray

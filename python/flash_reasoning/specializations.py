@@ -81,8 +81,8 @@ TREE_FINAL = Family(
     name="tree_final",
     params=_TREE_COMMON + (("order", "*i32"), ("final_start", "*i32"), ("merge_ptr", "*i32"),
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
-                           ("out", "*{dt}")) + _TREE_SCALARS
-    + (("num_rows", "i32"), ("lanes", "i32")),
+                           ("out", "*{dt}")) + _TREE_SCALARS + (("num_rows", "i32"),
+                                                                ("lanes", "i32")),
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED"),
 )
 

@@ -127,12 +127,8 @@ def _winner(samples: list[Sample]) -> Config:
 def compiled_configs(manifest: dict, key: str) -> list[Config]:
     """The (BLOCK_N, warps, stages) configs compiled for rule list ``key``."""
     kernel, dtype, head_dim, *block_m = key.split("/")
-    family = "paged_decode" if kernel.startswith("paged_decode") else kernel.removesuffix("_packed")
-    wanted = {"dtype": dtype, "HEAD_DIM": int(head_dim)}
-    if family == "paged_decode":
-        wanted["SPLIT"] = int(kernel == "paged_decode_split")
-    if family == "tree_final":
-        wanted["PACKED"] = int(kernel == "tree_final_packed")
+    family, wanted = dispatch.RULE_LIST_SPECS[kernel]
+    wanted = {**wanted, "dtype": dtype, "HEAD_DIM": int(head_dim)}
     wanted["BLOCK_M"] = int(block_m[0]) if block_m else dispatch.BLOCK_M
     return sorted({(k["key"]["BLOCK_N"], k["num_warps"], k["num_stages"])
                    for k in manifest["kernels"] if k["kernel"] == family

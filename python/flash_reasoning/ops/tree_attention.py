@@ -187,12 +187,12 @@ class TreeAttentionPlan:
             return templates
         # A packed program walks its lanes' final ranges side by side.
         lanes = self.arrays.final_lanes
-        kernel = "tree_final_packed" if lanes > 1 else "tree_final"
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
         programs = -(-self.num_branches // lanes)
         final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
         self.launch_max_tokens.append(final_tokens)
-        final_config = self._config(kernel, dtype, final_tokens, programs * tiles)
+        final_config = self._config(dispatch.tree_final_kernel(lanes > 1), dtype, final_tokens,
+                                    programs * tiles)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
                                                    lanes > 1),
                           (programs, tiles, 1),
