@@ -70,6 +70,9 @@ def compile_spec(arch: str, spec: Spec) -> tuple[bytes, dict]:
         raise RuntimeError(f"{spec.name} ({arch}) needs scratch memory "
                            f"({meta.global_scratch_size}/{meta.profile_scratch_size} B): "
                            "the launcher passes none")
+    if spec.overlaps_previous and "griddepcontrol.wait" not in compiled.asm["ptx"]:
+        raise RuntimeError(f"{spec.name} ({arch}) is launched to overlap the launch before it but "
+                           "never waits for it (no griddepcontrol.wait in its PTX)")
     if meta.shared > grid.MAX_SHARED[arch]:
         raise RuntimeError(f"{spec.name} needs {meta.shared} B of shared memory; {arch} "
                            f"allows {grid.MAX_SHARED[arch]} B: give it fewer stages there")
@@ -93,7 +96,9 @@ def _compile_cached(arch: str, spec: Spec, cache_dir: Path) -> tuple[dict, bool]
         cache_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write(cubin_path, cubin)
         _atomic_write(entry_path, json.dumps(entry).encode())
-    return json.loads(entry_path.read_text()) | {"_cached_cubin": str(cubin_path)}, compiled
+    # How the launcher launches it (not the compile's output: never stale in the cache).
+    launch = {"overlaps_previous": spec.overlaps_previous}
+    return json.loads(entry_path.read_text()) | launch | {"_cached_cubin": str(cubin_path)}, compiled
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

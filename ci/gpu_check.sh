@@ -23,6 +23,8 @@ step() {
 status=0
 log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
+log=layout.log step "driver struct layout against cuda.h" bash -c 'g++ -std=c++17 -fsyntax-only \
+    -I"$(dirname "$(command -v nvcc)")/../include" ci/driver_layout_check.cc && echo "layout ok"' || status=1
 log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider || status=1
 log=sanitize.log step "compute-sanitizer" env OUT="$OUT" bash ci/sanitize.sh || status=1
 log=fuzz.log   step "fuzz (${FUZZ_EXAMPLES:-2000} trees)" env FLASH_REASONING_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
@@ -60,6 +62,9 @@ if [ -n "${EXPLORE_FLAT:-}" ]; then
 fi
 if [ -n "${EXPLORE_LANES:-}" ]; then
   log=explore_lanes.log step "explore final lanes" env PYTHONPATH=. python3 ci/explore_lanes.py || status=1
+fi
+if [ -n "${EXPLORE_OVERLAP:-}" ]; then
+  log=explore_overlap.log step "explore overlapping launches" env PYTHONPATH=. python3 ci/explore_overlap.py || status=1
 fi
 if [ -n "${EXPLORE_DECODE:-}" ]; then
   log=explore.log step "explore decode splits" env PYTHONPATH=. python3 ci/explore_decode.py || status=1

@@ -6,6 +6,7 @@ import os
 import struct
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,7 @@ def test_every_spec_dispatch_can_ask_for_is_compiled(arch):
         declared = {n: t for n, t in spec.signature().items() if t != "constexpr"}
         assert {p["name"]: p["type"] for p in compiled["params"][:-2]} == declared
         assert compiled["key"] == spec.key
+        assert compiled["overlaps_previous"] == spec.overlaps_previous, spec.name
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -101,6 +103,29 @@ def test_build_is_incremental(tmp_path):
     assert f"compiled 0, reused {count}" in _build(tmp_path / "b", tmp_path / "cache")
     assert (tmp_path / "a/sm80/manifest.json").read_text() == \
         (tmp_path / "b/sm80/manifest.json").read_text()
+
+
+def test_build_refuses_an_overlapping_kernel_that_never_waits():
+    """A kernel launched to overlap its predecessor must wait for it (griddepcontrol.wait):
+    tree_final compiles; tree_partial, which only lets the next launch start, is refused once
+    marked as waiting."""
+    script = textwrap.dedent("""
+        import dataclasses
+        from aot import build
+        from flash_reasoning import dispatch, specializations as s
+        build.compile_spec("sm90", dispatch.tree_final_spec("float16", 64, "sm90"))
+        partial = dispatch.tree_partial_spec("float16", 64, 16, "sm90")
+        s.FAMILIES["tree_partial"] = dataclasses.replace(s.TREE_PARTIAL, waits_for_previous=True)
+        try:
+            build.compile_spec("sm90", partial)
+        except RuntimeError as err:
+            print(err)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "never waits for it" in result.stdout and "tree_partial_fp16" in result.stdout
 
 
 def test_build_narrows_archs_from_environment(monkeypatch):

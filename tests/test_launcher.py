@@ -182,6 +182,7 @@ def test_bad_dispatch_rules_are_refused(tmp_path, rules, fragment):
     ({"shared": 1.5}, ["kernels[0].shared"]),
     ({"sha256": "abc"}, ["kernels[0].sha256"]),
     ({"cubin": "../escape.cubin"}, ["kernels[0].cubin"]),
+    ({"overlaps_previous": 1}, ["kernels[0].overlaps_previous", "true or false"]),
 ])
 def test_kernel_bad_field(tmp_path, overrides, fragments):
     entry = kernel_entry(**overrides)
@@ -374,18 +375,40 @@ int cuMemcpyHtoD_v2(unsigned long long d, const void* s, size_t n) { memcpy((voi
 int cuMemcpyDtoH_v2(void* d, unsigned long long s, size_t n) { memcpy(d, (void*)s, n); return 0; }
 int cuMemcpyHtoDAsync_v2(unsigned long long d, const void* s, size_t n, void* st) { memcpy((void*)d, s, n); return 0; }
 int cuStreamSynchronize(void* st) { return 0; }
+#ifdef WITH_LAUNCH_EX
+/* cuLaunchKernelEx as cuda.h lays out its config; records the first attribute. */
+typedef struct { int id; char pad[4]; union { char bytes[64]; int allowed; void* align; } value; } Attr;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shared; void* stream; Attr* attrs; unsigned num_attrs; } Config;
+int fake_ex_launches, fake_ex_attr[3];  /* count, then num_attrs, id and value of the last */
+int cuLaunchKernelEx(const Config* c, void* f, void** params, void** extra) {
+  unsigned dims[7] = {c->gx, c->gy, c->gz, c->bx, c->by, c->bz, c->shared};
+  memcpy(fake_dims, dims, sizeof dims);
+  fake_ex_attr[0] = (int)c->num_attrs; fake_ex_attr[1] = c->attrs[0].id; fake_ex_attr[2] = c->attrs[0].value.allowed;
+  fake_ex_launches++; return 0;
+}
+#endif
 """
+
+
+def build_fake_libcuda(folder, *flags):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        pytest.skip("no C compiler to build the fake libcuda")
+    (folder / "fake.c").write_text(FAKE_LIBCUDA)
+    lib = folder / f"libcuda_fake{''.join(flags)}.so"
+    subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", str(lib), str(folder / "fake.c")], check=True)
+    return lib
 
 
 @pytest.fixture
 def fake_libcuda(tmp_path):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        pytest.skip("no C compiler to build the fake libcuda")
-    (tmp_path / "fake.c").write_text(FAKE_LIBCUDA)
-    lib = tmp_path / "libcuda_fake.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "fake.c")], check=True)
-    return lib
+    return build_fake_libcuda(tmp_path)
+
+
+@pytest.fixture
+def fake_libcuda_ex(tmp_path):
+    """The fake driver with cuLaunchKernelEx (CUDA 12+)."""
+    return build_fake_libcuda(tmp_path, "-DWITH_LAUNCH_EX")
 
 
 def test_fake_driver_launch(tmp_path, fake_libcuda):
@@ -446,6 +469,51 @@ def test_fake_driver_prepared_run(tmp_path, fake_libcuda):
     assert "pointer 1 ('b', passed as argument 'q'" in out["bad"]["error"] and out["bad_count"] == 4
     assert out["one"] == {"ok": None} and out["one_dims"] == [5, 6, 7, 128, 1, 1, 65536]
     assert out["one_params"] == (0x20).to_bytes(8, "little").hex() + "f9ffffff" + "0000003f" + tail
+
+
+OVERLAPPING = "tree_final_waits"
+
+
+def overlap_run(tmp_path, libcuda):
+    """A kernel marked overlaps_previous, launched after another launch of a prepared sequence,
+    first in one, and alone: what reached the driver each time."""
+    folder = write_arch(tmp_path, [kernel_entry(), kernel_entry(OVERLAPPING, overlaps_previous=True,
+                                                                cubin=NAME + ".cubin")])
+    return isolated(f"""
+        fake = ctypes.CDLL({str(libcuda)!r})
+        launcher = L.Launcher({str(folder)!r}, 0)
+        plain = lambda: ctypes.c_int.in_dll(fake, "fake_launches").value
+        ex = lambda: ctypes.c_int.in_dll(fake, "fake_ex_launches").value if hasattr(fake, "fake_ex_launches") else 0
+        attr = lambda: list((ctypes.c_int * 3).in_dll(fake, "fake_ex_attr"))
+        counts = lambda: [plain(), ex()]
+        after = launcher.prepare([({NAME!r}, (5, 1, 1), [L.Hole(0), 1, 1.0]),
+                                  ({OVERLAPPING!r}, (3, 2, 1), [L.Hole(0), 2, 2.0])], ["q"])
+        first = launcher.prepare([({OVERLAPPING!r}, (3, 2, 1), [L.Hole(0), 2, 2.0]),
+                                  ({NAME!r}, (5, 1, 1), [L.Hole(0), 1, 1.0])], ["q"])
+        out["after"] = [attempt(lambda: after.run([0x10], 99)), counts(), list((ctypes.c_uint * 7).in_dll(fake, "fake_dims"))]
+        if ex():
+            out["attr"] = attr()
+        out["first"] = [attempt(lambda: first.run([0x10], 99)), counts()]
+        out["alone"] = [attempt(lambda: launcher.launch({OVERLAPPING!r}, (1, 1, 1), [0x10, 1, 1.0], 99)), counts()]
+    """, libcuda=libcuda)
+
+
+def test_fake_driver_overlapping_launch(tmp_path, fake_libcuda_ex):
+    """Only after another launch of a sequence does a kernel that waits for its predecessor go
+    through cuLaunchKernelEx, asking for programmatic stream serialization (attribute 6)."""
+    out = overlap_run(tmp_path, fake_libcuda_ex)
+    assert out["after"] == [{"ok": None}, [1, 1], [3, 2, 1, 128, 1, 1, 65536]]
+    assert out["attr"] == [1, 6, 1]
+    assert out["first"] == [{"ok": None}, [3, 1]]  # first in its sequence: it waits in the stream
+    assert out["alone"] == [{"ok": None}, [4, 1]]
+
+
+def test_fake_driver_without_launch_ex_launches_plainly(tmp_path, fake_libcuda):
+    """A driver without cuLaunchKernelEx (before CUDA 12): the same launches, each waiting for
+    the one before (correct: the kernel's wait is then a no-op)."""
+    out = overlap_run(tmp_path, fake_libcuda)
+    assert out["after"][:2] == [{"ok": None}, [2, 0]]
+    assert out["first"] == [{"ok": None}, [4, 0]] and out["alone"] == [{"ok": None}, [5, 0]]
 
 
 def test_fake_driver_load_errors(tmp_path, fake_libcuda):

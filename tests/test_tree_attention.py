@@ -332,6 +332,24 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
 
 
 @gpu
+@pytest.mark.parametrize("separate", [False, True])
+def test_gpu_last_launch_waits_for_the_partials(separate):
+    """On sm90 the final (or merge) launch starts while the partial launch ends, and waits for
+    it only before merging: partials poisoned before every run never reach the output."""
+    alloc, leaves = case_allocator(next(c for c in load_cases()["cases"]
+                                        if c["name"] == "seed_b256/q32kv8"))
+    q = queries(alloc, leaves, 32)
+    plan = TreeAttentionPlan(alloc, leaves, 32, separate_merge=separate, flat=False)
+    last = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)[-1].spec
+    assert last.family == ("tree_merge" if separate else "tree_final")
+    assert last.overlaps_previous == (plan.arch == "sm90")
+    for _ in range(5):
+        plan.partial_out.fill_(float("nan"))
+        plan.partial_lse.fill_(float("nan"))
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, leaves)
+
+
+@gpu
 def test_gpu_matches_paged_decode_without_sharing():
     alloc = PhysicalKVAllocator(600, 16, 8, 128, device="cuda")
     gen = torch.Generator().manual_seed(2)

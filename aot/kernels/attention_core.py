@@ -3,10 +3,43 @@
 Softmax runs online in base 2 (``sm_scale_log2`` = sm_scale * log2(e)); every LSE that leaves
 a kernel is in the natural log, the convention of the whole package.
 """
+import os
+
 import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter runs one grid after another and no inline PTX: nothing to order.
+    @triton.jit
+    def _gdc_wait():
+        pass
+
+    @triton.jit
+    def _gdc_launch_dependents():
+        pass
+else:
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_wait as _gdc_wait
+
+
+@triton.jit
+def let_next_launch_start(PDL: tl.constexpr):
+    """Grid dependency control (``PDL``, sm90): once every program has passed this point, the
+    next launch (if launched to overlap this one) may start; it waits before reading what this
+    launch writes (:func:`wait_for_previous_launch`)."""
+    if PDL:
+        _gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous_launch(PDL: tl.constexpr):
+    """Grid dependency control (``PDL``): wait until the launch before this one has finished and
+    its writes are visible. Everything above the call must not read what that launch writes.
+    A no-op for a launch that was not made to overlap."""
+    if PDL:
+        _gdc_wait()
 
 
 @triton.jit

@@ -17,6 +17,10 @@ heads leaves tile rows free, so each program serves ``lanes`` branches (``order[
 (p + 1) * lanes]``), one group of rows each, and walks their final ranges side by side
 (``attention_core.attend_lanes``): fewer, longer programs, more loads in flight.
 
+``PDL`` (sm90, ``dispatch.grid_dependency``): the partial launch lets the final (or merge)
+launch start once its programs are past their walks, and that launch waits for it only before
+it reads the partials: its queries, lengths and own range are loaded meanwhile.
+
 A plan that merges separately (``Plan.separate_merge``: a final program would walk a long
 range or fold many partials one after another) has no final launch: every chunk of every
 final range is a ``tree_partial`` item, the last one *open* (it reads to its branch's current
@@ -27,8 +31,9 @@ import triton.language as tl
 
 from flash_reasoning.specializations import TREE_ITEM_FIELDS
 
-from .attention_core import (attend, attend_lanes, fold_partials, group_rows, merge_partial,
-                             normalise)
+from .attention_core import (attend, attend_lanes, fold_partials, group_rows,
+                             let_next_launch_start, merge_partial, normalise,
+                             wait_for_previous_launch)
 
 ITEM_STRIDE = tl.constexpr(len(TREE_ITEM_FIELDS))
 TABLE_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("table_row"))
@@ -45,7 +50,8 @@ OPEN_END = tl.constexpr(TREE_ITEM_FIELDS.index("open_end"))
 def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_slot,
                  partial_out, partial_lse,
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks,
-                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PDL: tl.constexpr):
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
     kv_head = tl.program_id(1)
     group = num_qo_heads // num_kv_heads
@@ -68,6 +74,8 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size,
                            tl.load(item + KV_START), kv_end, sm_scale_log2,
                            HEAD_DIM, BLOCK_M, BLOCK_N)
+    # Past the walk: the final launch's programs may take the SMs this launch frees.
+    let_next_launch_start(PDL)
     o, lse = normalise(m_i, l_i, acc)
     slot = tl.load(entry_slot + tl.load(item + ENTRY0) + local, mask=row_ok, other=0)
     part = slot.to(tl.int64) * num_qo_heads + head
@@ -80,7 +88,7 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
                partial_out, partial_lse, out, sm_scale_log2, num_qo_heads, num_kv_heads,
                page_size, max_blocks, num_rows, lanes,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               PACKED: tl.constexpr):
+               PACKED: tl.constexpr, PDL: tl.constexpr):
     d = tl.arange(0, HEAD_DIM)
     if PACKED:
         lane, head, row_ok = lane_rows(tl.program_id(1), num_qo_heads, num_kv_heads, lanes,
@@ -116,6 +124,7 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
         count = tl.load(merge_ptr + seq + 1) - lo
         steps = count
     o, m = normalise(m_i, l_i, acc)
+    wait_for_previous_launch(PDL)  # the partials are the partial launch's output
     denom = tl.where(m == float("-inf"), 0.0, 1.0)
     for j in range(0, steps):
         part = head.to(tl.int64) + (lo + j) * num_qo_heads  # entries x heads < 2**31
@@ -151,9 +160,10 @@ def final_range(seq, ok, seq_lens, final_start, page_size, max_blocks):
 
 @triton.jit
 def tree_merge(merge_ptr, partial_out, partial_lse, out, num_qo_heads,
-               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    wait_for_previous_launch(PDL)
     o = fold_partials(partial_out, partial_lse, head.to(tl.int64), num_qo_heads,
                       tl.load(merge_ptr + seq), tl.load(merge_ptr + seq + 1), HEAD_DIM, BLOCK_S)
     row = seq.to(tl.int64) * num_qo_heads + head

@@ -75,7 +75,7 @@ Status Context::pick(const std::string& rule_key, int64_t max_tokens, int64_t pr
 }
 
 Status Context::launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
-                       CUstream stream) {
+                       CUstream stream, bool after_own_launch) {
   const KernelInfo& k = this->kernel(kernel);
   Arg values[kMaxKernelParams];
   size_t i = 0;
@@ -88,7 +88,7 @@ Status Context::launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::init
     values[i++] = a.value;
   }
   const int64_t grid[3] = {gx, gy, gz};
-  return launcher_->launch(kernel, grid, values, i, stream);
+  return launcher_->launch(kernel, grid, values, i, stream, after_own_launch);
 }
 
 Status Context::driver(const Driver** d) {

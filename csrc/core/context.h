@@ -47,8 +47,9 @@ class Context {
   // device, each walking at most `max_tokens` tokens (-1: unknown, served as many and long).
   Status pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const;
   const KernelInfo& kernel(int index) const { return launcher_->manifest().kernels[index]; }
+  // after_own_launch: the previous launch on `stream` was the library's (Launcher::launch).
   Status launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
-                CUstream stream);
+                CUstream stream, bool after_own_launch = false);
 
   Status alloc(size_t bytes, CUdeviceptr* out);
   Status free(CUdeviceptr ptr);

@@ -40,6 +40,7 @@ bool resolve_all(void* lib, Driver* d, const char** missing) {
   FR_RESOLVE(cuLaunchKernel) FR_RESOLVE(cuMemAlloc_v2) FR_RESOLVE(cuMemFree_v2) FR_RESOLVE(cuMemcpyHtoD_v2)
   FR_RESOLVE(cuMemcpyDtoH_v2) FR_RESOLVE(cuMemcpyHtoDAsync_v2) FR_RESOLVE(cuStreamSynchronize)
 #undef FR_RESOLVE
+  resolve(lib, "cuLaunchKernelEx", &d->cuLaunchKernelEx);  // optional: may stay null
   return true;
 }
 

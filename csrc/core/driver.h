@@ -23,6 +23,28 @@ constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
 constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 constexpr CUresult CUDA_ERROR_OUT_OF_MEMORY = 2;
 
+// cuLaunchKernelEx's configuration, laid out as cuda.h (12.0+) declares it: an attribute is an
+// id padded to 8 bytes, then a 64-byte value union.
+constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
+struct CUlaunchAttribute {
+  int id;
+  char pad[4];
+  union alignas(8) {
+    char bytes[64];
+    int programmatic_stream_serialization_allowed;
+  } value;
+};
+struct CUlaunchConfig {
+  unsigned grid_dim_x, grid_dim_y, grid_dim_z;
+  unsigned block_dim_x, block_dim_y, block_dim_z;
+  unsigned shared_mem_bytes;
+  CUstream stream;
+  CUlaunchAttribute* attrs;
+  unsigned num_attrs;
+};
+static_assert(sizeof(CUlaunchAttribute) == 72, "cuda.h's CUlaunchAttribute is 72 bytes");
+static_assert(sizeof(CUlaunchConfig) == 56, "cuda.h's CUlaunchConfig is 56 bytes");
+
 struct Driver {
   CUresult (*cuInit)(unsigned flags);
   CUresult (*cuGetErrorName)(CUresult, const char**);
@@ -45,6 +67,9 @@ struct Driver {
   CUresult (*cuMemcpyDtoH_v2)(void* dst, CUdeviceptr src, size_t bytes);
   CUresult (*cuMemcpyHtoDAsync_v2)(CUdeviceptr dst, const void* src, size_t bytes, CUstream);
   CUresult (*cuStreamSynchronize)(CUstream);
+  // Optional (null on drivers before CUDA 12): launches with attributes, here programmatic
+  // dependent launch; without it every launch waits for the one before.
+  CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void** params, void** extra);
 
   // "call failed: CUDA_ERROR_X (description)" for a failed driver call.
   Status error(CUresult rc, const std::string& call) const;

@@ -97,7 +97,8 @@ Status LaunchSequence::run(const uint64_t* pointers, size_t num_pointers, CUstre
   for (const Step& s : steps_) {
     std::copy(s.slots.begin(), s.slots.end(), slots);
     for (const auto& [slot, hole] : s.fills) slots[slot] = pointers[hole];
-    if (!(st = launcher_->launch_packed(s.kernel, s.grid, slots, stream)).ok()) return st;
+    bool after_own_launch = &s != &steps_.front();  // a kernel that waits may overlap it
+    if (!(st = launcher_->launch_packed(s.kernel, s.grid, slots, stream, after_own_launch)).ok()) return st;
   }
   return Status::Ok();
 }

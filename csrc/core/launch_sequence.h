@@ -46,7 +46,8 @@ class LaunchSequence {
                         std::vector<std::string> holes, std::unique_ptr<LaunchSequence>* out);
 
   // Checks the pointers (count; each non-null and aligned) before launching
-  // anything, then launches each non-empty launch in order on `stream`.
+  // anything, then launches each non-empty launch in order on `stream` (each after the first
+  // as after_own_launch: a kernel compiled to wait for its predecessor overlaps it).
   Status run(const uint64_t* pointers, size_t num_pointers, CUstream stream) const;
   // run's count check alone, for a front end that converts the pointers first.
   Status check_count(size_t num_pointers) const;

@@ -108,12 +108,13 @@ Status Launcher::pack(const KernelInfo& k, const Arg* args, size_t num_args, uin
   return Status::Ok();
 }
 
-Status Launcher::launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream) {
+Status Launcher::launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream,
+                        bool after_own_launch) {
   uint64_t slots[kMaxKernelParams];  // the manifest caps params, so this never overflows
   bool empty = false;
   Status st = pack_launch(index, grid, args, num_args, slots, &empty);
   if (!st.ok() || empty) return st;  // empty: no work; a zero-sized cuLaunchKernel would be an error
-  return launch_packed(index, grid, slots, stream);
+  return launch_packed(index, grid, slots, stream, after_own_launch);
 }
 
 Status Launcher::pack_launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, uint64_t* slots,
@@ -134,7 +135,8 @@ Status Launcher::pack_launch(int index, const int64_t grid[3], const Arg* args, 
   return Status::Ok();
 }
 
-Status Launcher::launch_packed(int index, const int64_t grid[3], const uint64_t* slots, CUstream stream) {
+Status Launcher::launch_packed(int index, const int64_t grid[3], const uint64_t* slots, CUstream stream,
+                               bool after_own_launch) {
   const KernelInfo& k = manifest_.kernels[index];
   const Driver* d;
   Status st = get_driver(&d);
@@ -144,6 +146,15 @@ Status Launcher::launch_packed(int index, const int64_t grid[3], const uint64_t*
   // cuLaunchKernel only reads the parameters, through non-const pointers.
   void* params[kMaxKernelParams];
   for (size_t i = 0; i < k.params.size() + 2; ++i) params[i] = const_cast<uint64_t*>(&slots[i]);
+  if (after_own_launch && k.overlaps_previous && d->cuLaunchKernelEx) {
+    CUlaunchAttribute overlap = {};
+    overlap.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    overlap.value.programmatic_stream_serialization_allowed = 1;
+    CUlaunchConfig config = {unsigned(grid[0]), unsigned(grid[1]), unsigned(grid[2]), unsigned(k.num_warps * 32),
+                             1, 1, unsigned(k.shared), stream, &overlap, 1};
+    CUresult rc = d->cuLaunchKernelEx(&config, f, params, nullptr);
+    return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuLaunchKernelEx(" + k.name + ", overlapping)");
+  }
   CUresult rc = d->cuLaunchKernel(f, unsigned(grid[0]), unsigned(grid[1]), unsigned(grid[2]),
                                   unsigned(k.num_warps * 32), 1, 1, unsigned(k.shared), stream, params, nullptr);
   return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuLaunchKernel(" + k.name + ")");

@@ -1,7 +1,10 @@
 // Launches the AOT-compiled kernels of one arch folder. Cubins are loaded lazily, once per
 // (CUDA context, kernel), and the CUfunction is cached; a launch packs arguments on the stack,
 // calls cuLaunchKernel on the caller's stream and neither syncs nor allocates device memory,
-// so it can be captured in a CUDA graph.
+// so it can be captured in a CUDA graph. A kernel the manifest marks overlaps_previous, launched
+// right after another launch of the caller's (after_own_launch), goes through cuLaunchKernelEx
+// with programmatic stream serialization: it may start before that launch ends, and waits for
+// it inside (grid dependency control) before reading its output.
 #pragma once
 
 #include <cstddef>
@@ -49,7 +52,8 @@ class Launcher {
 
   // Checks, in order: arg count, each arg against its param type, grid. A grid with a zero
   // dimension is empty work: returns Ok without touching the driver.
-  Status launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream);
+  Status launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, CUstream stream,
+                bool after_own_launch = false);
 
   // launch() in two halves, so a caller can check and pack once and launch many times
   // (LaunchSequence). pack_launch makes every check launch() makes, without the driver, and
@@ -58,7 +62,8 @@ class Launcher {
   Status pack_launch(int index, const int64_t grid[3], const Arg* args, size_t num_args, uint64_t* slots,
                      bool* empty) const;
   // Launches slots and a grid that pack_launch accepted as non-empty (they are not checked again).
-  Status launch_packed(int index, const int64_t grid[3], const uint64_t* slots, CUstream stream);
+  Status launch_packed(int index, const int64_t grid[3], const uint64_t* slots, CUstream stream,
+                       bool after_own_launch = false);
 
   // Makes a context of the device current on this thread (the current one, or the device's
   // primary context when there is none): memory calls need one.

@@ -63,6 +63,14 @@ class Validator {
     return Status::Ok();
   }
 
+  // An optional boolean: absent is false (manifests written before the field existed).
+  Status optional_flag(const JsonValue& obj, const std::string& key, const std::string& where, bool* out) const {
+    const JsonValue* v = obj.find(key);
+    if (v && v->kind != JsonValue::Kind::kBool) return error(where + key, "must be true or false");
+    *out = v && v->boolean;
+    return Status::Ok();
+  }
+
  private:
   std::string path_;
 };
@@ -112,6 +120,7 @@ Status parse_kernel(const Validator& v, const JsonValue& obj, const std::string&
   for (char& c : k->sha256) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (!(st = v.integer(obj, "num_warps", where, 1, 32, &k->num_warps)).ok()) return st;
   if (!(st = v.integer(obj, "shared", where, 0, INT_MAX, &k->shared)).ok()) return st;
+  if (!(st = v.optional_flag(obj, "overlaps_previous", where, &k->overlaps_previous)).ok()) return st;
   const JsonValue* family = obj.find("kernel");
   if (family && family->is_string()) k->family = family->string;
   const JsonValue* key = obj.find("key");

@@ -34,6 +34,9 @@ struct KernelInfo {
   std::vector<ParamInfo> params;  // caller-supplied params only (scratch params dropped)
   int num_warps = 0;
   int shared = 0;  // dynamic shared memory, bytes
+  // Compiled to wait for the launch before it before reading that launch's output (grid
+  // dependency control): launched right after another launch of ours, it may overlap it.
+  bool overlaps_previous = false;
   std::unordered_map<std::string, int64_t> constexprs;  // integer members of "key", e.g. BLOCK_N
 };
 

@@ -196,11 +196,12 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols}},
                      stream);
   if (!st.ok()) return st;
+  bool after_partials = !plan_.items.empty();  // the last launch may overlap the partial launch
   if (plan_.separate_merge)
     return ctx_.launch(last_kernel_, num_branches(), shape_.num_qo_heads, 1,
                        {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
                         {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
-                       stream);
+                       stream, after_partials);
   return ctx_.launch(last_kernel_, final_programs(), final_tiles_, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
@@ -209,7 +210,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
                       {"num_rows", Arg::Int(num_branches())}, {"lanes", Arg::Int(plan_.final_lanes)}},
-                     stream);
+                     stream, after_partials);
 }
 
 Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_t>* tables,

@@ -162,7 +162,8 @@ def reset() -> None:
     """Forget the loaded tuning tables and the rules and specs made from them (after
     ``$FLASH_REASONING_TUNING`` changes)."""
     tuning_table.load.cache_clear()
-    for cached in (rules, config_for, decode_spec, tree_partial_spec, tree_final_spec):
+    for cached in (rules, config_for, decode_spec, tree_partial_spec, tree_final_spec,
+                   tree_merge_spec):
         cached.cache_clear()
 
 
@@ -200,12 +201,22 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
     return make_spec(MERGE_SPLITS, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
 
 
+def grid_dependency(arch: str) -> int:
+    """The tree kernels' ``PDL`` constexpr on ``arch``: 1 where the GPU has programmatic
+    dependent launch (sm90). The final (or merge) launch then starts while the partial launch
+    ends: its programs load their queries and walk their own ranges, and wait for the partial
+    launch only before merging its partials (H100: 1-13% off most two-launch plans, docs/perf.md
+    session 12)."""
+    return int(arch == "sm90")
+
+
 @functools.lru_cache(maxsize=None)
-def tree_merge_spec(dtype: str, head_dim: int) -> Spec:
+def tree_merge_spec(dtype: str, head_dim: int, arch: str) -> Spec:
     """One (branch, query head) row per program, its partial slots MERGE_BLOCK_S at a time."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    return make_spec(TREE_MERGE, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
+    return make_spec(TREE_MERGE, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S,
+                     PDL=grid_dependency(arch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +234,7 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
     block_n, warps, stages = config or config_for("tree_partial", dtype, head_dim, arch,
                                                   block_m=block_m)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                     BLOCK_N=block_n)
+                     BLOCK_N=block_n, PDL=grid_dependency(arch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,7 +247,7 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
     block_n, warps, stages = config or config_for(tree_final_kernel(packed), dtype, head_dim,
                                                   arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-                     BLOCK_N=block_n, PACKED=int(packed))
+                     BLOCK_N=block_n, PACKED=int(packed), PDL=grid_dependency(arch))
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
@@ -275,7 +286,7 @@ def required_specs(arch: str) -> list[Spec]:
     specs = [append_spec()]
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
-            specs += [merge_spec(dtype, head_dim), tree_merge_spec(dtype, head_dim)]
+            specs += [merge_spec(dtype, head_dim), tree_merge_spec(dtype, head_dim, arch)]
             for rule_list in rule_specs(dtype, head_dim, arch).values():
                 specs += [spec for _, _, spec in rule_list]
     return list(dict.fromkeys(specs))
@@ -317,7 +328,7 @@ def dispatch_rules(arch: str) -> dict:
     for dtype in DTYPES:
         for hd in HEAD_DIMS:
             for kernel, spec in (("merge_splits", merge_spec(dtype, hd)),
-                                 ("tree_merge", tree_merge_spec(dtype, hd))):
+                                 ("tree_merge", tree_merge_spec(dtype, hd, arch))):
                 rules_out[f"{kernel}/{dtype}/{hd}"] = [[None, None, spec.name]]
             for key, rule_list in rule_specs(dtype, hd, arch).items():
                 named = tuple((per_sm, bound, spec.name) for per_sm, bound, spec in rule_list)

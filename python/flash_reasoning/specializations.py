@@ -21,11 +21,15 @@ SCRATCH_PARAMS = (("global_scratch", "*i8"), ("profile_scratch", "*i8"))
 class Family:
     """One ``@triton.jit`` kernel: its runtime parameters (in order) and its constexprs.
 
-    A parameter type ``"*{dt}"`` is filled with the specialization's dtype.
+    A parameter type ``"*{dt}"`` is filled with the specialization's dtype. ``waits_for_previous``:
+    compiled with grid dependency control (constexpr ``PDL`` 1), the kernel reads what the
+    launch before it wrote only after waiting for that launch, so it may be launched to overlap
+    it (programmatic dependent launch).
     """
     name: str
     params: tuple[tuple[str, str], ...]
     constexprs: tuple[str, ...]
+    waits_for_previous: bool = False
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -74,7 +78,7 @@ TREE_PARTIAL = Family(
     name="tree_partial",
     params=_TREE_COMMON + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS,
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PDL"),
 )
 
 TREE_FINAL = Family(
@@ -83,14 +87,16 @@ TREE_FINAL = Family(
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
                            ("out", "*{dt}")) + _TREE_SCALARS + (("num_rows", "i32"),
                                                                 ("lanes", "i32")),
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED", "PDL"),
+    waits_for_previous=True,
 )
 
 TREE_MERGE = Family(
     name="tree_merge",
     params=(("merge_ptr", "*i32"), ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
             ("out", "*{dt}"), ("num_qo_heads", "i32")),
-    constexprs=("HEAD_DIM", "BLOCK_S"),
+    constexprs=("HEAD_DIM", "BLOCK_S", "PDL"),
+    waits_for_previous=True,
 )
 
 FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV, TREE_PARTIAL,
@@ -114,6 +120,12 @@ class Spec:
         parts += [f"{k.lower()}{v}" for k, v in self.constexprs]
         parts += [f"w{self.num_warps}", f"s{self.num_stages}"]
         return "_".join(parts)
+
+    @property
+    def overlaps_previous(self) -> bool:
+        """Whether a launch of this kernel may overlap the launch before it (the manifest's
+        ``overlaps_previous``: the launcher asks for programmatic dependent launch)."""
+        return FAMILIES[self.family].waits_for_previous and dict(self.constexprs)["PDL"] == 1
 
     @property
     def key(self) -> dict:

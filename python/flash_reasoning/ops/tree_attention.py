@@ -180,7 +180,7 @@ class TreeAttentionPlan:
             for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
                                                          self.launch_max_tokens)]
         if self.arrays.separate_merge:
-            templates.append((dispatch.tree_merge_spec(dtype, self.head_dim),
+            templates.append((dispatch.tree_merge_spec(dtype, self.head_dim, self.arch),
                               (self.num_branches, self.num_qo_heads, 1),
                               (self._merge_ptr, self.partial_out, self.partial_lse, "out",
                                self.num_qo_heads)))
