@@ -96,9 +96,9 @@ def _compile_cached(arch: str, spec: Spec, cache_dir: Path) -> tuple[dict, bool]
         cache_dir.mkdir(parents=True, exist_ok=True)
         _atomic_write(cubin_path, cubin)
         _atomic_write(entry_path, json.dumps(entry).encode())
-    # How the launcher launches it (not the compile's output: never stale in the cache).
-    launch = {"overlaps_previous": spec.overlaps_previous}
-    return json.loads(entry_path.read_text()) | launch | {"_cached_cubin": str(cubin_path)}, compiled
+    # Not the compile's output, so never stale in the cache: how to launch it, where it is.
+    launch = {"overlaps_previous": spec.overlaps_previous, "_cached_cubin": str(cubin_path)}
+    return json.loads(entry_path.read_text()) | launch, compiled
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
