@@ -48,27 +48,19 @@ log=warmup.log step "zero warm-up" python3 benchmarks/warmup.py --json "$OUT/war
     ${WARMUP_ARGS:-} || status=1
 log=launch.log step "launch overhead" python3 benchmarks/launch_overhead.py \
     --json "$OUT/launch_overhead.json" || status=1
-if [ -n "${EXPLORE_TREE:-}" ]; then
-  log=explore_tree.log step "explore tree planner" env PYTHONPATH=. python3 ci/explore_tree.py || status=1
-fi
-if [ -n "${EXPLORE_ATTEND:-}" ]; then
-  log=attend.log step "explore attention loop variants" env PYTHONPATH=. python3 ci/explore_attend.py || status=1
-fi
-if [ -n "${EXPLORE_MERGE:-}" ]; then
-  log=explore_merge.log step "explore merge modes" env PYTHONPATH=. python3 ci/explore_merge.py || status=1
-fi
-if [ -n "${EXPLORE_FLAT:-}" ]; then
-  log=explore_flat.log step "explore flat plans" env PYTHONPATH=. python3 ci/explore_flat.py || status=1
-fi
-if [ -n "${EXPLORE_LANES:-}" ]; then
-  log=explore_lanes.log step "explore final lanes" env PYTHONPATH=. python3 ci/explore_lanes.py || status=1
-fi
-if [ -n "${EXPLORE_OVERLAP:-}" ]; then
-  log=explore_overlap.log step "explore overlapping launches" env PYTHONPATH=. python3 ci/explore_overlap.py || status=1
-fi
-if [ -n "${EXPLORE_DECODE:-}" ]; then
-  log=explore.log step "explore decode splits" env PYTHONPATH=. python3 ci/explore_decode.py || status=1
-fi
+# EXPLORE_<NAME>=1 adds ci/explore_<name>.py (log explore_<name>.log): the sweeps behind docs/perf.md.
+explore() {
+  local var="EXPLORE_${1^^}"
+  [ -n "${!var:-}" ] || return 0
+  log=explore_$1.log step "explore $2" env PYTHONPATH=. python3 "ci/explore_$1.py" || status=1
+}
+explore tree "tree planner"
+explore attend "attention loop variants"
+explore merge "merge modes"
+explore flat "flat plans"
+explore lanes "final lanes"
+explore overlap "overlapping launches"
+explore decode "decode splits"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1
