@@ -24,9 +24,10 @@ def loop_kernel(q, k_pool, v_pool, tables, ranges, out, lse_out, sm_scale_log2,
     base = (item * num_kv_heads + kv_head).to(tl.int64) * BLOCK_M
     qt = tl.load(q + (base + m_rows)[:, None] * HEAD_DIM + d[None, :])
     table = tables + tl.load(ranges + item * 3).to(tl.int64) * max_blocks
-    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size,
-                           tl.load(ranges + item * 3 + 1), tl.load(ranges + item * 3 + 2),
-                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, max_blocks * page_size, kv_head,
+                           num_kv_heads, page_size, tl.load(ranges + item * 3 + 1),
+                           tl.load(ranges + item * 3 + 2), sm_scale_log2, HEAD_DIM, BLOCK_M,
+                           BLOCK_N)
     tl.store(out + (base + m_rows)[:, None] * HEAD_DIM + d[None, :], acc / l_i[:, None])
     tl.store(lse_out + base + m_rows, m_i + tl.log2(l_i))
 

@@ -1,5 +1,6 @@
 """Each case of the cases file planned three ways (the planner's choice, the cost model's folds,
-flat: every node folded), with paged_decode beside them, timed interleaved: the data behind
+flat: every node folded), with paged_decode beside them (and a packed flat plan unpacked),
+timed interleaved: the data behind
 the planner's estimated_us constants (csrc/core/planner.h). Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_flat.py [CASE...]"""
 import sys
@@ -20,6 +21,10 @@ def explore(case):
     separate = bench.Separate.from_tree(alloc, leaves)
     fns = {mode: (lambda p=p: p.run(q, 0, out)) for mode, p in plans.items()}
     fns["paged_decode"] = lambda: separate.paged_decode(q, decode_out)
+    if not plans[True].arrays.separate_merge and plans[True].arrays.final_lanes > 1:
+        unpacked = TreeAttentionPlan(alloc, leaves, case["num_qo_heads"], flat=True,
+                                     separate_merge=False, final_lanes=1)
+        fns["flat 1 lane"] = lambda: unpacked.run(q, 0, out)
     us = timing.median_us_each(fns, RUNS)
     estimate = {mode: plans[mode].arrays.stats["estimated_us"] for mode in (False, True)}
     computed = {mode: p.arrays.stats["computed_nodes"] for mode, p in plans.items()}
@@ -28,7 +33,8 @@ def explore(case):
     print(f"{case['name']:24} auto({picked}) {us[None]:7.1f} | tree {us[False]:7.1f} "
           f"(est {estimate[False]:7.1f}) | flat {us[True]:7.1f} (est {estimate[True]:8.1f}) | "
           f"paged_decode {us['paged_decode']:7.1f}"
-          f"{'' if faster == picked else '  <- %s faster' % faster}", flush=True)
+          + (f" | flat 1 lane {us['flat 1 lane']:7.1f}" if "flat 1 lane" in us else "")
+          + ("" if faster == picked else f"  <- {faster} faster"), flush=True)
 
 
 def main() -> None:

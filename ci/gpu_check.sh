@@ -60,6 +60,7 @@ explore merge "merge modes"
 explore flat "flat plans"
 explore lanes "final lanes"
 explore overlap "overlapping launches"
+explore streams "partial launches on two streams"
 explore decode "decode splits"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \

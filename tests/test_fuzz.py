@@ -243,6 +243,7 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
                    separate_merge=data.draw(st.sampled_from([None, False, True])),
                    flat=data.draw(st.sampled_from([None, False, True])),
                    final_lanes=data.draw(st.sampled_from([None, 1, max(1, 16 // group)])),
+                   one_tile=data.draw(st.sampled_from([None, True])),
                    **(dict(arch="sm90", num_sms=4) if interpreted else {}))
 
     history.run(data.draw(st.integers(*limits.ops)))

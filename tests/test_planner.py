@@ -76,14 +76,19 @@ def check_plan(tree, arrays, group):
 @settings(max_examples=60, deadline=None)
 @given(branches=st.integers(1, 40), depth=st.integers(1, 10), tokens=st.integers(0, 70),
        group=st.sampled_from([1, 2, 4, 8, 16]), chunk=st.sampled_from([None, 64, 128]),
-       merge=st.sampled_from([None, False, True]), seed=st.integers(0, 2**16))
-def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, merge, seed):
+       merge=st.sampled_from([None, False, True]), one_tile=st.sampled_from([None, False, True]),
+       seed=st.integers(0, 2**16))
+def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, merge, one_tile,
+                                     seed):
     alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
     ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=1 + seed % 2)
-    tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk, separate_merge=merge)
+    tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk, separate_merge=merge,
+                            one_tile=one_tile)
     check_plan(tree, arrays, group)
     if merge is not None:
         assert arrays.separate_merge == merge
+    if one_tile:
+        assert set(arrays.items) <= {64}
 
 
 def test_seed_b256_root_is_computed_once_and_leaves_fold():
@@ -148,7 +153,7 @@ def test_plans_flat_when_sharing_does_not_pay(name, flat):
     alloc, leaves = case_allocator(case, device="cpu", random=False)
     heads = case["num_qo_heads"]
     tree, arrays = plan_for(alloc, leaves, heads)
-    folded = plan_for(alloc, leaves, heads, flat=False)[1]
+    folded = plan_for(alloc, leaves, heads, flat=False, one_tile=False)[1]  # tiles come after
     flat_plan = plan_for(alloc, leaves, heads, flat=True)[1]
     assert folded.stats["computed_nodes"] > 0 and flat_plan.stats["computed_nodes"] == 0
     assert (arrays.stats["computed_nodes"] == 0) == flat
@@ -156,6 +161,32 @@ def test_plans_flat_when_sharing_does_not_pay(name, flat):
     assert arrays.stats["estimated_us"] == min(estimates) and estimates[0] != estimates[1]
     for each in (folded, flat_plan):
         check_plan(tree, each, heads // case["num_kv_heads"])
+
+
+@pytest.mark.parametrize("name, one_tile", [
+    ("ft_1,10/q32kv8", True),      # the root's chunks and 10 leaves' chunks: one launch
+    ("long_1,4/q16kv1", False),    # flat plans: one tile already
+    ("ft_1,10/q16kv1", False),
+    ("seed_b256/q32kv8", False),   # a final-kernel plan: its leaves are not partial items
+])
+def test_separate_merge_over_both_tiles_may_take_the_wide_one_alone(name, one_tile):
+    """A separate merge over narrow and wide items is also planned with every item in the
+    wide tile (one partial launch fewer), its folds unchanged; the plan estimated faster is
+    kept."""
+    case = next(c for c in load_cases()["cases"] if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    heads, group = case["num_qo_heads"], case["num_qo_heads"] // case["num_kv_heads"]
+    tree, arrays = plan_for(alloc, leaves, heads)
+    flat = arrays.stats["computed_nodes"] == 0
+    own = plan_for(alloc, leaves, heads, flat=flat, one_tile=False)[1]
+    assert (set(arrays.items) != set(own.items)) == one_tile
+    if one_tile:
+        assert arrays.separate_merge and set(own.items) == {16, 64} and set(arrays.items) == {64}
+        assert arrays.stats["estimated_us"] < own.stats["estimated_us"]
+    wide = plan_for(alloc, leaves, heads, flat=flat, one_tile=True)[1]
+    assert set(wide.items) <= {64}
+    for each in (arrays, own, wide):
+        check_plan(tree, each, group)
 
 
 def test_estimated_time_counts_launches_and_steps():

@@ -75,6 +75,17 @@ def test_flat_plan_interpreted(separate):
 
 
 @interpreter
+def test_one_tile_plan_interpreted():
+    """Every item in the wide tile: narrow final ranges fill a few of its rows."""
+    alloc, ids = forest("cpu", num_kv_heads=2, tokens=200, seed=12)
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=True, flat=False,
+                          one_tile=True)
+    assert set(plan.arrays.items) == {64} and plan.arrays.stats["computed_nodes"] > 0
+    check(out, q, alloc, ids)
+
+
+@interpreter
 def test_separate_merge_follows_growth_interpreted():
     """A plan that merges separately reads each branch's last chunk to its length at run
     time: after decode steps (and one branch left behind, shorter than the rest) it still
@@ -147,14 +158,16 @@ def test_kernels_interpreted_wide_tiles_and_group_32():
 @given(branches=st.integers(1, 30), depth=st.integers(1, 10), tokens=st.integers(0, 50),
        group=st.sampled_from([1, 2, 4, 8, 16]), dtype=st.sampled_from(DTYPES),
        chunk=st.sampled_from([None, 64]), merge=st.sampled_from([None, False, True]),
-       flat=st.sampled_from([None, False, True]), seed=st.integers(0, 2**16))
-def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, merge, flat, seed):
+       flat=st.sampled_from([None, False, True]), one_tile=st.sampled_from([None, True]),
+       seed=st.integers(0, 2**16))
+def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, merge, flat,
+                                 one_tile, seed):
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, dtype=dtype, branches=branches,
                         depth=depth, tokens=tokens, seed=seed, block_size=4,
                         roots=1 + seed % 3)
     q = queries(alloc, ids, group, seed)
     plan = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk, separate_merge=merge,
-                             flat=flat)
+                             flat=flat, one_tile=one_tile)
     check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
@@ -267,11 +280,12 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
     q = queries(alloc, ids, group * kv_heads, seed)
     auto = TreeAttentionPlan(alloc, ids, q.shape[1]).arrays
     most_lanes = max(1, 16 // group)
-    for separate, flat, lanes in ((None, None, None), (not auto.separate_merge, None, None),
-                                  (None, False, None), (None, True, None),
-                                  (False, None, most_lanes), (False, None, seed % most_lanes + 1)):
+    for separate, flat, lanes, one_tile in (
+            (None, None, None, None), (not auto.separate_merge, None, None, None),
+            (None, False, None, None), (None, True, None, None), (False, None, most_lanes, None),
+            (False, None, seed % most_lanes + 1, None), (True, False, None, True)):
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate, flat=flat,
-                                 final_lanes=lanes)
+                                 final_lanes=lanes, one_tile=one_tile)
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 

@@ -53,20 +53,23 @@ def group_rows(tile, num_qo_heads, num_kv_heads, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, start, end,
-           sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
+           end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr):
     """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
-    (``table`` is its block table row). Returns (row max in base 2, row sum, unnormalised
-    output); an empty range gives (-inf, 0, 0)."""
+    (``table`` is its block table row, of ``table_tokens`` tokens' pages). Returns (row max in
+    base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0)."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs = tl.arange(0, BLOCK_N)
     # Each tile's page ids are loaded one iteration ahead: read in the tile's own iteration,
-    # the page table is a third dependent DRAM round trip before K and V (docs/perf.md).
-    page = tl.load(table + (start + offs) // page_size, mask=start + offs < end, other=0)
+    # the page table is a third dependent DRAM round trip before K and V (docs/perf.md). The
+    # first tile's are bounded by the table, not by ``end``: where ``end`` is a length loaded
+    # by the caller, both loads are in flight at once (ids past ``end`` are never used).
+    page = tl.load(table + (start + offs) // page_size, mask=start + offs < table_tokens,
+                   other=0)
     for n0 in tl.range(start, end, BLOCK_N):
         n = n0 + offs
         n_ok = n < end

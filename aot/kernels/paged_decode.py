@@ -25,11 +25,12 @@ def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, out, partial_out, pa
 
     start = split * tokens_per_split
     # Lengths past the table's capacity are clamped: never read outside the table.
-    seq_len = tl.minimum(tl.load(seq_lens + seq), max_blocks * page_size)
+    table_tokens = max_blocks * page_size
+    seq_len = tl.minimum(tl.load(seq_lens + seq), table_tokens)
     end = tl.minimum(seq_len, start + tokens_per_split)
     table = block_tables + seq.to(tl.int64) * max_blocks
-    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size, start,
-                           end, sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads,
+                           page_size, start, end, sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
     o, lse = normalise(m_i, l_i, acc)
     if SPLIT:
         part = (q_rows * tl.num_programs(2) + split)

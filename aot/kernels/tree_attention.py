@@ -71,9 +71,9 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     seq_len = tl.minimum(tl.load(seq_lens + table_row, mask=is_open, other=0),
                          max_blocks * page_size)
     kv_end = tl.where(is_open, seq_len, tl.load(item + KV_END))
-    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, kv_head, num_kv_heads, page_size,
-                           tl.load(item + KV_START), kv_end, sm_scale_log2,
-                           HEAD_DIM, BLOCK_M, BLOCK_N)
+    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, max_blocks * page_size, kv_head,
+                           num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
+                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
     # Past the walk: the final launch's programs may take the SMs this launch frees.
     let_next_launch_start(PDL)
     o, lse = normalise(m_i, l_i, acc)
@@ -118,8 +118,8 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
     else:
         start, end = final_range(seq, True, seq_lens, final_start, page_size, max_blocks)
         m_i, l_i, acc = attend(qt, k_pool, v_pool, block_tables + seq.to(tl.int64) * max_blocks,
-                               kv_head, num_kv_heads, page_size, start, end, sm_scale_log2,
-                               HEAD_DIM, BLOCK_M, BLOCK_N)
+                               max_blocks * page_size, kv_head, num_kv_heads, page_size, start,
+                               end, sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
         lo = tl.load(merge_ptr + seq)
         count = tl.load(merge_ptr + seq + 1) - lo
         steps = count
@@ -163,8 +163,10 @@ def tree_merge(merge_ptr, partial_out, partial_lse, out, num_qo_heads,
                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    lo = tl.load(merge_ptr + seq)  # the plan's, not the partial launch's: read before waiting
+    hi = tl.load(merge_ptr + seq + 1)
     wait_for_previous_launch(PDL)
-    o = fold_partials(partial_out, partial_lse, head.to(tl.int64), num_qo_heads,
-                      tl.load(merge_ptr + seq), tl.load(merge_ptr + seq + 1), HEAD_DIM, BLOCK_S)
+    o = fold_partials(partial_out, partial_lse, head.to(tl.int64), num_qo_heads, lo, hi,
+                      HEAD_DIM, BLOCK_S)
     row = seq.to(tl.int64) * num_qo_heads + head
     tl.store(out + row * HEAD_DIM + tl.arange(0, HEAD_DIM), o.to(out.dtype.element_ty))

@@ -18,6 +18,11 @@
 // branch's length on the device), so they run in parallel, and a merge kernel folds each
 // (branch, head) row's partials in vectorised blocks, with no final kernel.
 //
+// A plan that merges separately over both row tiles runs two partial launches; the same plan
+// with every item in the wide tile runs one (its narrow items waste MMA rows, not HBM bytes).
+// Once the folds are chosen (flat or not), the planner keeps whichever estimated_us() finds
+// faster (H100, ft_1,10/q32kv8: 38.5 -> 33.1 us; docs/perf.md session 13).
+//
 // Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
 // tree cannot repay (one KV head: a token is 512 bytes). So the planner also plans the tree
 // *flat* (every node folded: each branch reads its whole path, as a paged decode does) and
@@ -106,6 +111,7 @@ struct PlanOptions {
   int separate_merge = -1;   // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
   int flat = -1;             // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
   int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_final_lanes()
+  int one_tile = -1;         // -1: by estimated_us() (above); 0: each range's own tile; 1: all wide
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.

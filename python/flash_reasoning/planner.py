@@ -17,7 +17,9 @@ is a partial item (the last one *open*: it reads to its branch's length at run t
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
 runs. Where the GQA group leaves rows of the final kernel's tile free, one final program serves
 ``final_lanes`` branches (a power of two, while 3 programs per SM remain) and walks their final
-ranges side by side.
+ranges side by side. A plan that merges separately over both row tiles is also planned with
+every item in the wide tile (*one tile*: one partial launch fewer, the same folds), kept where
+it estimates faster.
 
 Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
 tree cannot repay (one KV head: 512 bytes a token). So the tree is also planned *flat* (every
@@ -91,11 +93,13 @@ class PlanArrays:
 
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
          reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
-         flat: bool | None = None, final_lanes: int | None = None) -> PlanArrays:
+         flat: bool | None = None, final_lanes: int | None = None,
+         one_tile: bool | None = None) -> PlanArrays:
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
-    ``separate_merge``, ``flat`` and ``final_lanes`` override the cost model, for tuning and
-    tests; ``flat=False`` keeps the cost model's folds, ``True`` folds every node;
-    ``final_lanes`` from 1 to the narrow tile's 16 rows over the GQA group). ``ValueError``
+    ``separate_merge``, ``flat``, ``final_lanes`` and ``one_tile`` override the cost model, for
+    tuning and tests; ``flat=False`` keeps the cost model's folds, ``True`` folds every node;
+    ``final_lanes`` from 1 to the narrow tile's 16 rows over the GQA group; ``one_tile=True``
+    puts every item in the wide tile, ``False`` each in its own). ``ValueError``
     when the partials would overflow the kernels' int32 indexing, or for lanes out of range."""
     if final_lanes is not None and (type(final_lanes) is not int or final_lanes < 1):
         raise ValueError(f"final_lanes must be a positive int or None, got {final_lanes!r}")
@@ -104,7 +108,7 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
                              target_chunk or 0, reread_weight,
                              _tristate(separate_merge), _tristate(flat),
-                             final_lanes or 0)
+                             final_lanes or 0, _tristate(one_tile))
     except _launcher.LauncherError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),

@@ -45,7 +45,7 @@ class TreeAttentionPlan:
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
-    ``separate_merge``, ``flat`` and ``final_lanes`` force the planner's choices
+    ``separate_merge``, ``flat``, ``final_lanes`` and ``one_tile`` force the planner's choices
     (``flash_reasoning.planner``), for tuning and tests.
     """
 
@@ -53,7 +53,8 @@ class TreeAttentionPlan:
                  num_qo_heads: int, sm_scale: float | None = None,
                  target_chunk: int | None = None, num_sms: int | None = None,
                  arch: str | None = None, separate_merge: bool | None = None,
-                 flat: bool | None = None, final_lanes: int | None = None) -> None:
+                 flat: bool | None = None, final_lanes: int | None = None,
+                 one_tile: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -76,7 +77,7 @@ class TreeAttentionPlan:
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
                               allocator.k_pools[0].element_size(), self.num_sms)
         self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
-                                   flat=flat, final_lanes=final_lanes)
+                                   flat=flat, final_lanes=final_lanes, one_tile=one_tile)
         self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
