@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from flash_reasoning import TreeAttentionPlan, bench, timing
+from flash_reasoning import TreeAttentionPlan, bench
 
 RUNS = 30
 TRIGGER = "    # Past the walk: the final launch's programs may take the SMs this launch frees.\n" \
@@ -74,25 +74,12 @@ def explore(name, case):
         return
     fns = {"shipped": lambda: plan.run(q, 0, out), "no overlap": jit_runs(launches, SHIPPED, False),
            "early start": jit_runs(launches, EARLY, True)}
-    expected = poisoned_run(plan, fns["shipped"], out)
-    for key, fn in fns.items():
-        err = (poisoned_run(plan, fn, out).float() - expected.float()).abs().max().item()
-        if not err < 1e-2:
-            print(f"{name} {key}: WRONG, max error {err}", flush=True)
+    times = bench.check_and_time(name, fns, lambda fn: poisoned_run(plan, fn, out), RUNS)
     exposed = [max(poisoned_run(plan, jit_runs(launches, module, True), out).isnan().sum().item()
                    for _ in range(5)) for module in (NO_WAIT, EARLY_NO_WAIT)]
-    times = timing.median_us_each(fns, RUNS)
     print(f"{name:24} " + " ".join(f"{k} {t:6.1f}" for k, t in times.items())
           + f" | no wait: {exposed[0]} NaN outputs, early start: {exposed[1]}", flush=True)
 
 
-def main():
-    print(torch.cuda.get_device_name(), "(us)", flush=True)
-    cases = {c["name"]: c for c in bench.load_cases()["cases"]}
-    cases["seed_b128"] = bench.seed_case(128)
-    for name in sys.argv[1:] or cases:
-        explore(name, cases[name])
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    bench.explore_cases(explore, sys.argv[1:])

@@ -36,7 +36,7 @@ def two_streams(launches, device, side, first_on_side):
     return run
 
 
-def explore(name, case, side):
+def explore(name, case):
     alloc, leaves = bench.case_allocator(case)
     heads = case["num_qo_heads"]
     q = torch.randn(len(leaves), heads, case["head_dim"], device="cuda").to(alloc.dtype)
@@ -50,17 +50,15 @@ def explore(name, case, side):
     sep = plans["separate"]
     launches = sep.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)
     if len(launches) > 2:
+        side = torch.cuda.Stream()
         fns["2 streams"] = two_streams(launches, q.device, side, True)
         fns["2 streams rev"] = two_streams(launches, q.device, side, False)
-    expected = plans["shipped"].run(q, 0, out).clone()
-    for key, fn in fns.items():
+
+    def poisoned_run(fn):
         out.fill_(float("nan"))
         fn()
-        torch.cuda.synchronize()
-        err = (out.float() - expected.float()).abs().max().item()
-        if not err < 1e-2:
-            print(f"{name} {key}: WRONG, max error {err}", flush=True)
-    times = timing.median_us_each(fns, RUNS)
+        return out.clone()
+    times = bench.check_and_time(name, fns, poisoned_run, RUNS)
     alone = "+".join(f"{timing.median_us(lambda l=l: runtime.run([l], q.device), RUNS):.1f}"
                      for l in launches)
     mode = "sep" if plans["shipped"].arrays.separate_merge else "fin"
@@ -68,14 +66,5 @@ def explore(name, case, side):
           + f" | separate alone {alone}", flush=True)
 
 
-def main():
-    print(torch.cuda.get_device_name(), "(us)", flush=True)
-    cases = {c["name"]: c for c in bench.load_cases()["cases"]}
-    cases["seed_b128"] = bench.seed_case(128)
-    side = torch.cuda.Stream()
-    for name in sys.argv[1:] or cases:
-        explore(name, cases[name], side)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    bench.explore_cases(explore, sys.argv[1:])
