@@ -242,6 +242,14 @@ def test_merge_steps_match_the_merge_kernel():
     assert _launcher.MERGE_SLOTS_PER_STEP == dispatch.MERGE_BLOCK_S
 
 
+def test_final_kernel_rows_are_the_planner_narrow_tile():
+    """The planner's lanes and final grid (PlanShape::final_tiles, also the C ABI's final
+    launch) count the narrow tile's rows; tree_final is compiled with BLOCK_M rows."""
+    from flash_reasoning import dispatch
+    assert dict(dispatch.tree_final_spec("float16", 128, "sm90").constexprs)["BLOCK_M"] \
+        == dispatch.TREE_BLOCK_MS[0]
+
+
 def test_empty_branches_plan_to_empty_ranges():
     alloc = PhysicalKVAllocator(10, 4, 1, 8, device="cpu")
     ids = [alloc.alloc_branch(0).branch_id for _ in range(3)]

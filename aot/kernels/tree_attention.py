@@ -67,11 +67,11 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     table_row = tl.load(item + TABLE_ROW)
     table = block_tables + table_row.to(tl.int64) * max_blocks
     # An open item ends at its row's length now (clamped to the table), not at planning.
+    table_tokens = max_blocks * page_size
     is_open = tl.load(item + OPEN_END) != 0
-    seq_len = tl.minimum(tl.load(seq_lens + table_row, mask=is_open, other=0),
-                         max_blocks * page_size)
+    seq_len = tl.minimum(tl.load(seq_lens + table_row, mask=is_open, other=0), table_tokens)
     kv_end = tl.where(is_open, seq_len, tl.load(item + KV_END))
-    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, max_blocks * page_size, kv_head,
+    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
                            num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
                            sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
     # Past the walk: the final launch's programs may take the SMs this launch frees.

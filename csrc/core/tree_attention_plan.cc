@@ -80,7 +80,7 @@ Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, cons
   if (!(st = segment_tree_from_tables(tree.num_branches, lengths.data(), tree.tables, tree.stride, shape.block_size,
                                       &p->tree_)).ok())
     return st;
-  PlanShape plan_shape;
+  PlanShape& plan_shape = p->plan_shape_;
   plan_shape.num_qo_heads = shape.num_qo_heads;
   plan_shape.num_kv_heads = shape.num_kv_heads;
   plan_shape.head_dim = shape.head_dim;
@@ -98,7 +98,6 @@ Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, cons
   p->tables_ = dense_tables(shape, tree, p->max_blocks_);
   p->lengths_.assign(tree.lengths, tree.lengths + tree.num_branches);
   pack_work_lists(p->plan_, &p->work_, &p->work_offset_);
-  if (!(st = query_tiles(ctx, shape, &p->final_tiles_)).ok()) return st;
   if (!(st = p->pick_kernels()).ok()) return st;
   if (!(st = p->allocate_and_upload()).ok()) return st;
   *out = std::move(p);
@@ -146,7 +145,7 @@ Status TreeAttentionPlan::pick_final_kernel() {
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
   const char* kernel = plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
-  return ctx_.pick(kernel + shape_.rule_suffix(), longest * plan_.final_lanes, final_programs() * final_tiles_,
+  return ctx_.pick(kernel + shape_.rule_suffix(), longest * plan_.final_lanes, final_programs() * plan_shape_.final_tiles(),
                    &last_kernel_);
 }
 
@@ -202,7 +201,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                        {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
                         {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
                        stream, after_partials);
-  return ctx_.launch(last_kernel_, final_programs(), final_tiles_, 1,
+  return ctx_.launch(last_kernel_, final_programs(), plan_shape_.final_tiles(), 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
                       {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)},

@@ -55,6 +55,7 @@ class TreeAttentionPlan {
   Context& ctx_;
   AttentionShape shape_;
   SegmentTree tree_;
+  PlanShape plan_shape_;  // what plan_ was made for; its final_tiles() is the final launch's grid.y
   Plan plan_;
   int64_t max_blocks_ = 0;
   std::vector<int32_t> tables_;   // [num_branches, max_blocks_], as on the device
@@ -63,7 +64,6 @@ class TreeAttentionPlan {
   std::vector<int64_t> work_offset_;  // element offset of each of those lists in work_
   std::vector<int> partial_kernels_;  // per plan_.items entry
   int last_kernel_ = -1;     // tree_final, or tree_merge when the plan merges separately
-  int64_t final_tiles_ = 0;  // tree_final programs per branch (per lane group): the KV heads' GQA tiles
   CUdeviceptr workspace_ = 0;
   size_t workspace_bytes_ = 0;
   CUdeviceptr d_tables_ = 0, d_lengths_ = 0, d_work_ = 0, d_partial_out_ = 0, d_partial_lse_ = 0;
