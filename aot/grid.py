@@ -37,7 +37,8 @@ def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
 
 
 def candidate_specs(arch: str) -> list[Spec]:
-    """Every candidate of every rule list that fits the arch's shared memory."""
+    """Every candidate of every rule list that fits the arch's shared memory, for any page
+    size and for each compiled one (a tuning run times the kernels a call would launch)."""
     specs = []
     for dtype in DTYPES:
         for head_dim in CANDIDATE_HEAD_DIMS:
@@ -45,8 +46,9 @@ def candidate_specs(arch: str) -> list[Spec]:
                 wide_tile = block_m is not None and block_m != dispatch.BLOCK_M
                 for config in WIDE_TILE_CANDIDATES if wide_tile else DECODE_TILE_CANDIDATES:
                     if fits_shared_memory(arch, head_dim, block_m or dispatch.BLOCK_M, config):
-                        specs.append(dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
-                                                          block_m))
+                        specs += [dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
+                                                       block_m, page_size)
+                                  for page_size in (0, *dispatch.COMPILED_PAGE_SIZES)]
     return specs
 
 

@@ -56,6 +56,7 @@ explore() {
 }
 explore tree "tree planner"
 explore attend "attention loop variants"
+explore root "root loop variants and the dense bar"
 explore merge "merge modes"
 explore flat "flat plans"
 explore lanes "final lanes"

@@ -119,10 +119,33 @@ def test_every_config_a_call_can_pick_is_required(arch):
                 for kernel, block_m in dispatch.RULE_LISTS:
                     config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens, block_m,
                                                  programs, 132)
-                    assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
-                                                block_m) in required
+                    for page_size in (0, *dispatch.COMPILED_PAGE_SIZES):
+                        assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
+                                                    block_m, page_size) in required
             assert dispatch.decode_spec(dtype, head_dim, True, arch) in required
             assert dispatch.merge_spec(dtype, head_dim) in required
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_compiled_page_size_has_its_own_kernels_with_the_same_configs(arch):
+    """Pools of a compiled page size get kernels with it as a constant, every other size the
+    kernels that read it at run time; both rule lists pick the same configs."""
+    assert dispatch.compiled_page(16) == 16 and 16 in dispatch.COMPILED_PAGE_SIZES
+    for other in (1, 8, 32):
+        assert dispatch.compiled_page(other) == 0
+    assert dispatch.rule_key("tree_partial", "float16", 128, 64, 16) == \
+        "tree_partial/float16/128/64/page16"
+    assert dispatch.rule_key("paged_decode", "float16", 128, None, 8) == "paged_decode/float16/128"
+    rules = dispatch.dispatch_rules(arch)["rules"]
+    paged = [key for key in rules if key.endswith("/page16")]
+    assert len(paged) == len(dispatch.RULE_LISTS) * len(DTYPES) * len(dispatch.HEAD_DIMS)
+    for key in paged:
+        generic = rules[key.removesuffix("/page16")]
+        assert [r[:2] for r in rules[key]] == [r[:2] for r in generic], key
+        assert [r[2].replace("_page16_", "_page0_") for r in rules[key]] == \
+            [r[2] for r in generic], key
+    assert dispatch.decode_spec("float16", 64, False, arch, None, 16).key["PAGE"] == 16
+    assert dispatch.tree_final_spec("float16", 64, arch, None, True, 7).key["PAGE"] == 0
 
 
 def test_required_specs_follow_the_table(override):

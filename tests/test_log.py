@@ -43,7 +43,8 @@ def test_plan_logs_each_kernel_config_and_why(caplog):
     assert messages(caplog, "tree_final") == [expected_record("tree_final", "float16", 64,
                                                               programs)]
     config = dispatch.config_for("tree_final", "float16", 128, "sm90", 64, None, programs, 132)
-    assert plan._templates[-1][0] == dispatch.tree_final_spec("float16", 128, "sm90", config)
+    assert plan._templates[-1][0] == dispatch.tree_final_spec("float16", 128, "sm90", config,
+                                                             page_size=16)
     partial = messages(caplog, "tree_partial")
     assert len(partial) == len(plan._templates) - 1
     assert "block_m=64" in partial[0]

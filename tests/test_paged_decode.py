@@ -21,9 +21,12 @@ def _check(out, problem, sm_scale=None):
 def _interpret(problem, num_splits, sm_scale=0.125):
     from aot.interpret import run_interpreted
     out = poisoned_like(problem.q)
-    run_interpreted(decode_launches(problem.q, problem.k_pool, problem.v_pool,
-                                    problem.block_tables, problem.seq_lens, out, sm_scale,
-                                    arch="sm90", num_sms=132, num_splits=num_splits))
+    launches = decode_launches(problem.q, problem.k_pool, problem.v_pool, problem.block_tables,
+                               problem.seq_lens, out, sm_scale, arch="sm90", num_sms=132,
+                               num_splits=num_splits)
+    # 16-token pages run the kernel compiled for them, 8-token ones the run-time page size.
+    assert launches[0].spec.key["PAGE"] == (16 if problem.k_pool.shape[1] == 16 else 0)
+    run_interpreted(launches)
     return out
 
 

@@ -130,6 +130,23 @@ def test_packed_final_interpreted(dtype, heads, lanes):
 
 
 @interpreter
+@pytest.mark.parametrize("block_size, page", [(16, 16), (8, 0), (5, 0)])
+@pytest.mark.parametrize("separate, lanes", [(False, 1), (False, 4), (True, 1)])
+def test_compiled_page_size_interpreted(block_size, page, separate, lanes):
+    """A pool of a compiled page size runs kernels with it as a constant, any other size the
+    kernels that read it at run time (nodes and forks off block boundaries in both); every
+    launch of the plan, each merge mode and packed finals, matches the reference."""
+    alloc, ids = forest("cpu", num_kv_heads=2, tokens=150, seed=block_size + lanes,
+                        block_size=block_size)
+    q = queries(alloc, ids, 8)
+    extra = {} if separate else {"final_lanes": lanes}
+    plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, **extra)
+    attention = [spec for spec, _, _ in plan._templates if spec.family != "tree_merge"]
+    assert attention and all(spec.key["PAGE"] == page for spec in attention)
+    check(out, q, alloc, ids)
+
+
+@interpreter
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_kernels_interpreted_head_dims(head_dim):
     alloc, ids = forest("cpu", head_dim=head_dim, branches=5, tokens=30, seed=head_dim)

@@ -58,7 +58,12 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
            BLOCK_N: tl.constexpr):
     """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
     (``table`` is its block table row, of ``table_tokens`` tokens' pages). Returns (row max in
-    base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0)."""
+    base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0).
+
+    Each token's K/V row is addressed through its page id, a division and a remainder by
+    ``page_size`` per token: the callers' ``PAGE`` constexpr makes it a constant where the page
+    size is one the build compiles for, and the divisions shifts (H100: a shared root's
+    compute-bound tiles 12-14% faster, docs/perf.md session 14)."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

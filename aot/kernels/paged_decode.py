@@ -14,7 +14,9 @@ def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, out, partial_out, pa
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks,
                  tokens_per_split,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 SPLIT: tl.constexpr, PAGE: tl.constexpr):
+    if PAGE:  # a compiled page size (attention_core.attend)
+        page_size = PAGE
     seq = tl.program_id(0)
     split = tl.program_id(2)
     kv_head, head, row_ok = group_rows(tl.program_id(1), num_qo_heads, num_kv_heads, BLOCK_M)

@@ -51,7 +51,9 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
                  partial_out, partial_lse,
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PAGE: tl.constexpr, PDL: tl.constexpr):
+    if PAGE:  # a compiled page size (attention_core.attend)
+        page_size = PAGE
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
     kv_head = tl.program_id(1)
     group = num_qo_heads // num_kv_heads
@@ -88,7 +90,9 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
                partial_out, partial_lse, out, sm_scale_log2, num_qo_heads, num_kv_heads,
                page_size, max_blocks, num_rows, lanes,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               PACKED: tl.constexpr, PDL: tl.constexpr):
+               PACKED: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+    if PAGE:  # a compiled page size (attention_core.attend)
+        page_size = PAGE
     d = tl.arange(0, HEAD_DIM)
     if PACKED:
         lane, head, row_ok = lane_rows(tl.program_id(1), num_qo_heads, num_kv_heads, lanes,

@@ -68,6 +68,11 @@ Status Context::require_device(const char* what) const {
                        std::string(what) + " needs a GPU: this context was created host-only (for planning)");
 }
 
+std::string Context::page_rule_key(const std::string& rule_key, int64_t block_size) const {
+  std::string paged = rule_key + "/page" + std::to_string(block_size);
+  return rules().rules.count(paged) ? paged : rule_key;
+}
+
 Status Context::pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const {
   Status st = rules().pick(rule_key, max_tokens, programs, num_sms(), kernel);
   if (st.code == Code::kNotFound) st.code = Code::kUnsupported;

@@ -129,7 +129,8 @@ Status TreeAttentionPlan::pick_kernels() {
   for (const ItemList& items : plan_.items) {
     int kernel = -1;
     std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
-    Status st = ctx_.pick(key, longest_item(items), items.count() * shape_.num_kv_heads, &kernel);
+    Status st = ctx_.pick(ctx_.page_rule_key(key, shape_.block_size), longest_item(items),
+                          items.count() * shape_.num_kv_heads, &kernel);
     if (!st.ok()) return st;
     partial_kernels_.push_back(kernel);
   }
@@ -145,8 +146,8 @@ Status TreeAttentionPlan::pick_final_kernel() {
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
   const char* kernel = plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
-  return ctx_.pick(kernel + shape_.rule_suffix(), longest * plan_.final_lanes, final_programs() * plan_shape_.final_tiles(),
-                   &last_kernel_);
+  return ctx_.pick(ctx_.page_rule_key(kernel + shape_.rule_suffix(), shape_.block_size), longest * plan_.final_lanes,
+                   final_programs() * plan_shape_.final_tiles(), &last_kernel_);
 }
 
 int64_t TreeAttentionPlan::final_programs() const { return ceil_div(num_branches(), plan_.final_lanes); }

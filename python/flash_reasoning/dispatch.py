@@ -17,6 +17,11 @@ from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TRE
                               TREE_MERGE, TREE_PARTIAL, Spec, make_spec)
 
 HEAD_DIMS = (64, 128, 256)
+#: Page sizes (KV block sizes) the attention kernels are also compiled for, as a constant
+#: (``PAGE``): per-token page arithmetic becomes shifts (H100: shared roots' compute-bound
+#: tiles 12-14% faster, docs/perf.md session 14). Any other size runs the ``PAGE`` 0 kernels,
+#: which take it at run time.
+COMPILED_PAGE_SIZES = (16,)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
 BLOCK_M = 16
 #: Splits (partial slots) merged per step of the merge kernels' loops.
@@ -88,14 +93,24 @@ def _any_launch(config: Config) -> Rules:
     return ((None, None, config),)
 
 
-def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None) -> str:
+def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
+             page_size: int = 0) -> str:
     """The name of a rule list, in tuning tables and the manifest: ``tree_final/float16/128``,
-    ``tree_partial/float16/128/64``."""
+    ``tree_partial/float16/128/64``; the manifest also names the same rules for the kernels of
+    a compiled page size: ``tree_final/float16/128/page16``."""
     known = tuple(dict.fromkeys(k for k, _ in RULE_LISTS))
     if kernel not in known:
         raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {known}")
     key = f"{kernel}/{dtype}/{head_dim}"
-    return key if kernel != "tree_partial" else f"{key}/{block_m}"
+    key = key if kernel != "tree_partial" else f"{key}/{block_m}"
+    page = compiled_page(page_size)
+    return f"{key}/page{page}" if page else key
+
+
+def compiled_page(page_size: int) -> int:
+    """The ``PAGE`` constexpr of a pool of ``page_size``-token blocks: the size itself where it
+    is compiled (:data:`COMPILED_PAGE_SIZES`), else 0 (the kernels read it at run time)."""
+    return page_size if page_size in COMPILED_PAGE_SIZES else 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,15 +198,16 @@ def check_dtype(dtype: str, owner: str = "the call") -> None:
 
 @functools.lru_cache(maxsize=None)  # a Spec per call would cost host time per launch
 def decode_spec(dtype: str, head_dim: int, split: bool, arch: str,
-                config: Config | None = None) -> Spec:
-    """The decode kernel for a call; ``config`` (BLOCK_N, warps, stages) overrides the rules
-    (a tuning run times each compiled candidate this way)."""
+                config: Config | None = None, page_size: int = 0) -> Spec:
+    """The decode kernel for a call over ``page_size``-token blocks (0: the kernel for any
+    size); ``config`` (BLOCK_N, warps, stages) overrides the rules (a tuning run times each
+    compiled candidate this way)."""
     check_dtype(dtype)
     check_head_dim(head_dim)
     kernel = "paged_decode_split" if split else "paged_decode"
     block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(PAGED_DECODE, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-                     BLOCK_N=block_n, SPLIT=int(split))
+                     BLOCK_N=block_n, SPLIT=int(split), PAGE=compiled_page(page_size))
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,7 +242,7 @@ def append_spec() -> Spec:
 
 @functools.lru_cache(maxsize=None)
 def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
-                      config: Config | None = None) -> Spec:
+                      config: Config | None = None, page_size: int = 0) -> Spec:
     check_dtype(dtype)
     check_head_dim(head_dim)
     if block_m not in TREE_BLOCK_MS:
@@ -234,12 +250,12 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
     block_n, warps, stages = config or config_for("tree_partial", dtype, head_dim, arch,
                                                   block_m=block_m)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                     BLOCK_N=block_n, PDL=grid_dependency(arch))
+                     BLOCK_N=block_n, PAGE=compiled_page(page_size), PDL=grid_dependency(arch))
 
 
 @functools.lru_cache(maxsize=None)
 def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
-                    packed: bool = False) -> Spec:
+                    packed: bool = False, page_size: int = 0) -> Spec:
     """One branch's GQA group per program, like the decode kernel, or (``packed``) the groups
     of several branches."""
     check_dtype(dtype)
@@ -247,17 +263,19 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
     block_n, warps, stages = config or config_for(tree_final_kernel(packed), dtype, head_dim,
                                                   arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
-                     BLOCK_N=block_n, PACKED=int(packed), PDL=grid_dependency(arch))
+                     BLOCK_N=block_n, PACKED=int(packed), PAGE=compiled_page(page_size),
+                     PDL=grid_dependency(arch))
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
-                block_m: int | None = None) -> Spec:
+                block_m: int | None = None, page_size: int = 0) -> Spec:
     """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``."""
     if kernel == "tree_partial":
-        return tree_partial_spec(dtype, head_dim, block_m, arch, config)
+        return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size)
     if kernel in (tree_final_kernel(False), tree_final_kernel(True)):
-        return tree_final_spec(dtype, head_dim, arch, config, kernel == tree_final_kernel(True))
-    return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config)
+        return tree_final_spec(dtype, head_dim, arch, config, kernel == tree_final_kernel(True),
+                               page_size)
+    return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config, page_size)
 
 
 def tree_final_kernel(packed: bool) -> str:
@@ -274,11 +292,13 @@ def rule_kernel(spec: Spec) -> str:
 
 def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:
     """Every rule list of one dtype and head_dim, by key, its configs replaced by their
-    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``."""
-    return {rule_key(kernel, dtype, head_dim, block_m):
-            [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m))
+    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``; the lists of each compiled page
+    size pick the same configs."""
+    return {rule_key(kernel, dtype, head_dim, block_m, page_size):
+            [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m,
+                                         page_size))
              for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
-            for kernel, block_m in RULE_LISTS}
+            for kernel, block_m in RULE_LISTS for page_size in (0, *COMPILED_PAGE_SIZES)}
 
 
 def required_specs(arch: str) -> list[Spec]:

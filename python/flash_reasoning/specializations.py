@@ -45,7 +45,7 @@ PAGED_DECODE = Family(
         ("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_heads", "i32"),
         ("page_size", "i32"), ("max_blocks", "i32"), ("tokens_per_split", "i32"),
     ),
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "SPLIT", "PAGE"),
 )
 
 MERGE_SPLITS = Family(
@@ -78,7 +78,7 @@ TREE_PARTIAL = Family(
     name="tree_partial",
     params=_TREE_COMMON + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS,
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PDL"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "PDL"),
 )
 
 TREE_FINAL = Family(
@@ -87,7 +87,7 @@ TREE_FINAL = Family(
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32"),
                            ("out", "*{dt}")) + _TREE_SCALARS + (("num_rows", "i32"),
                                                                 ("lanes", "i32")),
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED", "PDL"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED", "PAGE", "PDL"),
     waits_for_previous=True,
 )
 

@@ -73,7 +73,7 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
         log.splits_chosen(num_seqs, tiles, capacity, num_sms, num_splits, given[0])
         log.config_chosen(kernel, config, dtype, arch, head_dim, per_program, given=given[1],
                           programs=programs, num_sms=num_sms)
-    spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config)
+    spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config, page_size)
     block_n = dict(spec.constexprs)["BLOCK_N"]
     tokens_per_split = math.ceil(per_program / block_n) * block_n
     scalars = (sm_scale * math.log2(math.e), num_qo_heads, num_kv_heads, page_size,

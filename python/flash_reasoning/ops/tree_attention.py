@@ -174,7 +174,8 @@ class TreeAttentionPlan:
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
-                "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m)),
+                "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m),
+                self.allocator.block_size),
              (records.shape[0], kv_heads, 1),
              paged + (self._order, items, self._entry_slot, self.partial_out,
                       self.partial_lse) + scalars)
@@ -195,7 +196,7 @@ class TreeAttentionPlan:
         final_config = self._config(dispatch.tree_final_kernel(lanes > 1), dtype, final_tokens,
                                     programs * tiles)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
-                                                   lanes > 1),
+                                                   lanes > 1, self.allocator.block_size),
                           (programs, tiles, 1),
                           paged + (self._order, self._final_start, self._merge_ptr,
                                    self.partial_out, self.partial_lse, "out") + scalars
