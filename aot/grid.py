@@ -48,7 +48,7 @@ def candidate_specs(arch: str) -> list[Spec]:
                     if fits_shared_memory(arch, head_dim, block_m or dispatch.BLOCK_M, config):
                         specs += [dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
                                                        block_m, page_size)
-                                  for page_size in (0, *dispatch.COMPILED_PAGE_SIZES)]
+                                  for page_size in dispatch.PAGE_KERNELS]
     return specs
 
 

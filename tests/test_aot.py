@@ -62,8 +62,7 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
     from flash_reasoning import _launcher
     launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
     num_sms = 132
-    for dtype, page_size in itertools.product(("float16", "bfloat16"),
-                                              (0, *dispatch.COMPILED_PAGE_SIZES)):
+    for dtype, page_size in itertools.product(("float16", "bfloat16"), dispatch.PAGE_KERNELS):
         for hd in dispatch.HEAD_DIMS:
             for kernel, block_m in dispatch.RULE_LISTS:
                 key = dispatch.rule_key(kernel, dtype, hd, block_m, page_size)

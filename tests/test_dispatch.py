@@ -119,7 +119,7 @@ def test_every_config_a_call_can_pick_is_required(arch):
                 for kernel, block_m in dispatch.RULE_LISTS:
                     config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens, block_m,
                                                  programs, 132)
-                    for page_size in (0, *dispatch.COMPILED_PAGE_SIZES):
+                    for page_size in dispatch.PAGE_KERNELS:
                         assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
                                                     block_m, page_size) in required
             assert dispatch.decode_spec(dtype, head_dim, True, arch) in required

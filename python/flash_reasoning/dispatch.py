@@ -22,6 +22,9 @@ HEAD_DIMS = (64, 128, 256)
 #: tiles 12-14% faster, docs/perf.md session 14). Any other size runs the ``PAGE`` 0 kernels,
 #: which take it at run time.
 COMPILED_PAGE_SIZES = (16,)
+#: The ``PAGE`` values each attention specialization is compiled with: 0 (any page size), then
+#: every compiled size.
+PAGE_KERNELS = (0, *COMPILED_PAGE_SIZES)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
 BLOCK_M = 16
 #: Splits (partial slots) merged per step of the merge kernels' loops.
@@ -298,7 +301,7 @@ def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:
             [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m,
                                          page_size))
              for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
-            for kernel, block_m in RULE_LISTS for page_size in (0, *COMPILED_PAGE_SIZES)}
+            for kernel, block_m in RULE_LISTS for page_size in PAGE_KERNELS}
 
 
 def required_specs(arch: str) -> list[Spec]:
