@@ -1,8 +1,9 @@
 """The final (or merge) launch overlapping the partial launch (``dispatch.grid_dependency``):
-each tree plan of the cases file run as shipped (AOT), then JIT-compiled without overlap and
-with the partial launch letting its dependents start at its beginning instead of after its walk;
-and final kernels that do not wait: how many outputs poisoned partials reach (the check of
-``test_gpu_last_launch_waits_for_the_partials``), at either start. sm90 only. Run on a GPU:
+each tree plan of the cases file run as shipped (AOT, the planner's ``early_final``), with the
+last launch started after the partial programs' walks and at their start (AOT, forced), and
+JIT-compiled without overlap; and final kernels that do not wait: how many outputs poisoned
+partials reach (the check of ``test_gpu_last_launch_waits_for_the_partials``), at either
+start. The data behind ``final_starts_early`` (csrc/core/planner.h). sm90 only. Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_overlap.py [CASE...]"""
 import importlib.util
 import sys
@@ -14,8 +15,6 @@ import torch
 from flash_reasoning import TreeAttentionPlan, bench
 
 RUNS = 30
-TRIGGER = "    # Past the walk: the final launch's programs may take the SMs this launch frees.\n" \
-          "    let_next_launch_start(PDL)\n"
 WAIT = "    wait_for_previous_launch(PDL)  # the partials are the partial launch's output\n"
 
 
@@ -35,11 +34,7 @@ def variant(name, *edits):
 
 
 SHIPPED = variant("shipped")
-EARLY = variant("early", (TRIGGER, ""), ("    item = items", "    let_next_launch_start(PDL)\n"
-                                                         "    item = items"))
 NO_WAIT = variant("no_wait", (WAIT, ""))
-EARLY_NO_WAIT = variant("early_no_wait", (WAIT, ""), (TRIGGER, ""),
-                        ("    item = items", "    let_next_launch_start(PDL)\n    item = items"))
 
 
 def jit_runs(launches, module, pdl):
@@ -53,9 +48,10 @@ def jit_runs(launches, module, pdl):
     return lambda: [r() for r in runs]
 
 
-def poisoned_run(plan, fn, out):
-    plan.partial_out.fill_(float("nan"))
-    plan.partial_lse.fill_(float("nan"))
+def poisoned_run(plans, fn, out):
+    for plan in plans:
+        plan.partial_out.fill_(float("nan"))
+        plan.partial_lse.fill_(float("nan"))
     out.fill_(float("nan"))
     fn()
     torch.cuda.synchronize()
@@ -66,17 +62,23 @@ def explore(name, case):
     alloc, leaves = bench.case_allocator(case)
     q = torch.randn(len(leaves), case["num_qo_heads"], case["head_dim"], device="cuda")
     q = q.to(alloc.dtype)
-    plan = TreeAttentionPlan(alloc, leaves, case["num_qo_heads"])
+    plans = {early: TreeAttentionPlan(alloc, leaves, case["num_qo_heads"], early_final=early)
+             for early in (None, False, True)}
     out = torch.empty_like(q)
-    launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)
-    if len(launches) < 2:
+    launches = {early: p.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)
+                for early, p in plans.items()}
+    if len(launches[None]) < 2:
         print(f"{name:24} one launch: nothing to overlap", flush=True)
         return
-    fns = {"shipped": lambda: plan.run(q, 0, out), "no overlap": jit_runs(launches, SHIPPED, False),
-           "early start": jit_runs(launches, EARLY, True)}
-    times = bench.check_and_time(name, fns, lambda fn: poisoned_run(plan, fn, out), RUNS)
-    exposed = [max(poisoned_run(plan, jit_runs(launches, module, True), out).isnan().sum().item()
-                   for _ in range(5)) for module in (NO_WAIT, EARLY_NO_WAIT)]
+    shipped = "early" if plans[None].arrays.early_final else "after walk"
+    fns = {f"shipped ({shipped})": lambda: plans[None].run(q, 0, out),
+           "no overlap": jit_runs(launches[False], SHIPPED, False),
+           "after walk": lambda: plans[False].run(q, 0, out),
+           "early": lambda: plans[True].run(q, 0, out)}
+    times = bench.check_and_time(name, fns, lambda fn: poisoned_run(plans.values(), fn, out),
+                                 RUNS)
+    exposed = [max(poisoned_run(plans.values(), jit_runs(launches[early], NO_WAIT, True), out)
+                   .isnan().sum().item() for _ in range(5)) for early in (False, True)]
     print(f"{name:24} " + " ".join(f"{k} {t:6.1f}" for k, t in times.items())
           + f" | no wait: {exposed[0]} NaN outputs, early start: {exposed[1]}", flush=True)
 

@@ -12,6 +12,7 @@ from flash_reasoning import _launcher, runtime
 from flash_reasoning._launcher import LauncherError
 from flash_reasoning.bench import case_allocator, load_cases
 from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
+from flash_reasoning.specializations import TREE_PARTIAL
 from flash_reasoning.synthetic import random_branches, random_kv
 from flash_reasoning.tree import build_branches, from_levels
 
@@ -82,6 +83,24 @@ def test_one_tile_plan_interpreted():
     plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=True, flat=False,
                           one_tile=True)
     assert set(plan.arrays.items) == {64} and plan.arrays.stats["computed_nodes"] > 0
+    check(out, q, alloc, ids)
+
+
+@interpreter
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("early", [False, True])
+def test_early_final_interpreted(separate, early):
+    """``early_final`` reaches the last partial launch only (the one the last launch may
+    overlap), and either start gives the same output."""
+    alloc, ids = forest("cpu", num_kv_heads=2, tokens=200, seed=10)  # both row tiles
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, flat=False,
+                          one_tile=False, early_final=early)
+    at = TREE_PARTIAL.param_names.index("early_final")
+    launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)
+    flags = [launch.args[at] for launch in launches if launch.spec.family == "tree_partial"]
+    assert len(flags) == 2 and flags == [0, int(early)]
+    assert plan.arrays.early_final == early
     check(out, q, alloc, ids)
 
 
@@ -167,6 +186,21 @@ def test_kernels_interpreted_wide_tiles_and_group_32():
         plan, out = interpret(alloc, leaves, q, flat=False)
         assert 64 in plan.arrays.items
         check(out, q, alloc, leaves)
+
+
+@interpreter
+@pytest.mark.parametrize("sm_scale", [-0.7, 0.0])
+def test_wide_tiles_interpreted_with_any_scale(sm_scale):
+    """Wide tiles over a shared root with a negative scale and a zero one (uniform weights)
+    match the reference."""
+    alloc = PhysicalKVAllocator(160, 8, 1, 64, device="cpu")
+    gen = torch.Generator().manual_seed(1)
+    leaves = build_branches(alloc, from_levels([1, 40], [300, 3]),
+                            lambda node, layer, n: random_kv(alloc, gen, n))
+    q = queries(alloc, leaves, 4)
+    plan, out = interpret(alloc, leaves, q, flat=False, sm_scale=sm_scale)
+    assert 64 in plan.arrays.items
+    check(out, q, alloc, leaves, sm_scale=sm_scale)
 
 
 # ---- the PyTorch path (the same plan, on CPU) -------------------------------------------------
@@ -363,14 +397,19 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
 
 
 @gpu
-@pytest.mark.parametrize("separate", [False, True])
-def test_gpu_last_launch_waits_for_the_partials(separate):
-    """On sm90 the final (or merge) launch starts while the partial launch ends, and waits for
-    it only before merging: partials poisoned before every run never reach the output."""
-    alloc, leaves = case_allocator(next(c for c in load_cases()["cases"]
-                                        if c["name"] == "seed_b256/q32kv8"))
+@pytest.mark.parametrize("name, separate, early", [
+    ("seed_b256/q32kv8", False, False), ("seed_b256/q32kv8", True, False),
+    ("seed_b256/q32kv8", False, True), ("seed_b256/q32kv8", True, True),
+    ("ft_1,4,16,512/q32kv8", False, True),  # the widest window: many short partial programs
+])
+def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
+    """On sm90 the final (or merge) launch starts while the partial launch ends (or, with
+    ``early_final``, once its programs start), and waits for it only before merging: partials
+    poisoned before every run never reach the output."""
+    alloc, leaves = case_allocator(next(c for c in load_cases()["cases"] if c["name"] == name))
     q = queries(alloc, leaves, 32)
-    plan = TreeAttentionPlan(alloc, leaves, 32, separate_merge=separate, flat=False)
+    plan = TreeAttentionPlan(alloc, leaves, 32, separate_merge=separate, flat=False,
+                             early_final=early)
     last = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)[-1].spec
     assert last.family == ("tree_merge" if separate else "tree_final")
     assert last.overlaps_previous == (plan.arch == "sm90")

@@ -18,8 +18,9 @@ heads leaves tile rows free, so each program serves ``lanes`` branches (``order[
 (``attention_core.attend_lanes``): fewer, longer programs, more loads in flight.
 
 ``PDL`` (sm90, ``dispatch.grid_dependency``): the partial launch lets the final (or merge)
-launch start once its programs are past their walks, and that launch waits for it only before
-it reads the partials: its queries, lengths and own range are loaded meanwhile.
+launch start once its programs are past their walks (or, with the plan's ``early_final``, once
+they have started), and that launch waits for it only before it reads the partials: its
+queries, lengths and own range are loaded and walked meanwhile.
 
 A plan that merges separately (``Plan.separate_merge``: a final program would walk a long
 range or fold many partials one after another) has no final launch: every chunk of every
@@ -49,11 +50,13 @@ OPEN_END = tl.constexpr(TREE_ITEM_FIELDS.index("open_end"))
 @triton.jit
 def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_slot,
                  partial_out, partial_lse,
-                 sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks,
+                 sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks, early_final,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE: tl.constexpr, PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
+    if early_final:  # the plan's choice: final programs may fill the SMs later waves leave
+        let_next_launch_start(PDL)
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
     kv_head = tl.program_id(1)
     group = num_qo_heads // num_kv_heads
@@ -76,8 +79,8 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
                            num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
                            sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
-    # Past the walk: the final launch's programs may take the SMs this launch frees.
-    let_next_launch_start(PDL)
+    if early_final == 0:  # past the walk: the final launch may take the SMs this one frees
+        let_next_launch_start(PDL)
     o, lse = normalise(m_i, l_i, acc)
     slot = tl.load(entry_slot + tl.load(item + ENTRY0) + local, mask=row_ok, other=0)
     part = slot.to(tl.int64) * num_qo_heads + head

@@ -78,6 +78,12 @@ constexpr int64_t kMergeSlotsPerStep = 16;
 // of two, that leave kMinFinalProgramsPerSm programs per SM (H100, docs/perf.md session 11:
 // 256 leaves of 64 tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes; 64 leaves lose at 2).
 constexpr int64_t kMinFinalProgramsPerSm = 3;
+// The final launch starts beside the (last) partial launch's programs instead of after their
+// walks where that launch runs more than kWaves programs per SM: its later waves are short or
+// uneven, and final programs fill the SMs they leave. Within one wave the SMs hold compute-bound
+// root programs, which final programs beside them only slow (H100, docs/perf.md session 12:
+// ft_1,4,16,512/q32kv8 117.2 -> 106.6 us, ft_deep16/q32kv32 196.0 -> 183.0; seed_b256/q32kv8
+// 73.1 -> 82.0). Plans that merge separately keep the late start (long_1,4/q16kv1 28.9 -> 31.6).
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
@@ -112,6 +118,7 @@ struct PlanOptions {
   int flat = -1;             // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
   int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_final_lanes()
   int one_tile = -1;         // -1: by estimated_us() (above); 0: each range's own tile; 1: all wide
+  int early_final = -1;      // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
@@ -141,6 +148,9 @@ struct Plan {
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
   int64_t final_lanes = 1;  // branches per final-kernel program (1 when merging separately)
+  // The last partial launch lets the final (or merge) launch start at its programs' start, not
+  // after their walks (the tree_partial argument early_final).
+  bool early_final = false;
   double estimated_us = 0;  // estimated_us() of this plan
 };
 
@@ -157,6 +167,7 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
 int64_t chunk_length(int64_t length, int64_t target);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
 int64_t final_lanes(int64_t rows, const PlanShape& shape);
+bool final_starts_early(int64_t last_partial_programs, bool separate_merge, const PlanShape& shape);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 

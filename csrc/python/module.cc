@@ -223,14 +223,15 @@ fr::SegmentTree tree_from_python(const py::object& tree) {
 
 py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
               int64_t dtype_bytes, int64_t num_sms, std::array<int64_t, 2> block_ms, int64_t target_chunk,
-              double reread_weight, int separate_merge, int flat, int64_t final_lanes, int one_tile) {
+              double reread_weight, int separate_merge, int flat, int64_t final_lanes, int one_tile,
+              int early_final) {
   fr::PlanShape shape;
   shape.num_qo_heads = num_qo_heads, shape.num_kv_heads = num_kv_heads, shape.head_dim = head_dim;
   shape.dtype_bytes = dtype_bytes, shape.num_sms = num_sms, shape.block_ms = block_ms;
   fr::PlanOptions options;
   options.target_chunk = target_chunk, options.reread_weight = reread_weight;
   options.separate_merge = separate_merge, options.flat = flat, options.final_lanes = final_lanes;
-  options.one_tile = one_tile;
+  options.one_tile = one_tile, options.early_final = early_final;
   fr::Plan p;
   check(fr::make_plan(tree_from_python(tree), shape, options, &p));
   py::dict d;
@@ -255,6 +256,7 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["chunk_tokens"] = p.chunk_tokens;
   d["separate_merge"] = p.separate_merge;
   d["final_lanes"] = p.final_lanes;
+  d["early_final"] = p.early_final;
   d["estimated_us"] = p.estimated_us;
   py::dict items;
   for (const fr::ItemList& list : p.items)
@@ -311,6 +313,7 @@ PYBIND11_MODULE(_launcher, m) {
         py::arg("dtype_bytes"), py::arg("num_sms"), py::arg("block_ms"), py::arg("target_chunk") = 0,
         py::arg("reread_weight") = fr::kRereadWeight, py::arg("separate_merge") = -1,
         py::arg("flat") = -1, py::arg("final_lanes") = 0, py::arg("one_tile") = -1,
+        py::arg("early_final") = -1,
         "The tree-attention plan of a SegmentTree (a dict of arrays).");
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;

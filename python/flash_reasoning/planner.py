@@ -17,7 +17,9 @@ is a partial item (the last one *open*: it reads to its branch's length at run t
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
 runs. Where the GQA group leaves rows of the final kernel's tile free, one final program serves
 ``final_lanes`` branches (a power of two, while 3 programs per SM remain) and walks their final
-ranges side by side. A plan that merges separately over both row tiles is also planned with
+ranges side by side. The final (or merge) launch starts while the last partial launch runs:
+after its programs' walks, or at their start (``early_final``) where that launch runs more
+than two programs per SM and the plan has a final kernel (its later waves leave SMs free). A plan that merges separately over both row tiles is also planned with
 every item in the wide tile (*one tile*: one partial launch fewer, the same folds), kept where
 it estimates faster.
 
@@ -68,7 +70,8 @@ class PlanArrays:
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
-    packed kernel, when above 1; row ``p`` otherwise). ``work`` holds
+    packed kernel, when above 1; row ``p`` otherwise); ``early_final``: the last partial
+    launch lets that launch start at its programs' start, not after their walks. ``work`` holds
     order, final_start, merge_ptr, entry_slot and each tile's items packed for one upload,
     list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
@@ -88,18 +91,21 @@ class PlanArrays:
     work_offsets: np.ndarray
     separate_merge: bool
     final_lanes: int
+    early_final: bool
     stats: dict = field(default_factory=dict)
 
 
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
          reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
          flat: bool | None = None, final_lanes: int | None = None,
-         one_tile: bool | None = None) -> PlanArrays:
+         one_tile: bool | None = None, early_final: bool | None = None) -> PlanArrays:
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
-    ``separate_merge``, ``flat``, ``final_lanes`` and ``one_tile`` override the cost model, for
-    tuning and tests; ``flat=False`` keeps the cost model's folds, ``True`` folds every node;
-    ``final_lanes`` from 1 to the narrow tile's 16 rows over the GQA group; ``one_tile=True``
-    puts every item in the wide tile, ``False`` each in its own). ``ValueError``
+    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` override the
+    cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds, ``True`` folds
+    every node; ``final_lanes`` from 1 to the narrow tile's 16 rows over the GQA group;
+    ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
+    ``early_final=True`` starts the last launch early even where the plan merges separately; a
+    plan without partial launches never does). ``ValueError``
     when the partials would overflow the kernels' int32 indexing, or for lanes out of range."""
     if final_lanes is not None and (type(final_lanes) is not int or final_lanes < 1):
         raise ValueError(f"final_lanes must be a positive int or None, got {final_lanes!r}")
@@ -108,7 +114,7 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
                              target_chunk or 0, reread_weight,
                              _tristate(separate_merge), _tristate(flat),
-                             final_lanes or 0, _tristate(one_tile))
+                             final_lanes or 0, _tristate(one_tile), _tristate(early_final))
     except _launcher.LauncherError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),

@@ -77,7 +77,8 @@ _TREE_SCALARS = (("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_he
 TREE_PARTIAL = Family(
     name="tree_partial",
     params=_TREE_COMMON + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
-                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS,
+                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
+    + (("early_final", "i32"),),
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "PDL"),
 )
 

@@ -45,8 +45,8 @@ class TreeAttentionPlan:
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
-    ``separate_merge``, ``flat``, ``final_lanes`` and ``one_tile`` force the planner's choices
-    (``flash_reasoning.planner``), for tuning and tests.
+    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` force the
+    planner's choices (``flash_reasoning.planner``), for tuning and tests.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
@@ -54,7 +54,7 @@ class TreeAttentionPlan:
                  target_chunk: int | None = None, num_sms: int | None = None,
                  arch: str | None = None, separate_merge: bool | None = None,
                  flat: bool | None = None, final_lanes: int | None = None,
-                 one_tile: bool | None = None) -> None:
+                 one_tile: bool | None = None, early_final: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -77,7 +77,8 @@ class TreeAttentionPlan:
         shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
                               allocator.k_pools[0].element_size(), self.num_sms)
         self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
-                                   flat=flat, final_lanes=final_lanes, one_tile=one_tile)
+                                   flat=flat, final_lanes=final_lanes, one_tile=one_tile,
+                                   early_final=early_final)
         self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
@@ -172,15 +173,16 @@ class TreeAttentionPlan:
         scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
                    self.allocator.block_size, self.tables.shape[1])
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
+        last = len(self._items) - 1  # the one partial launch the last launch may overlap
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
                 "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m),
                 self.allocator.block_size),
              (records.shape[0], kv_heads, 1),
              paged + (self._order, items, self._entry_slot, self.partial_out,
-                      self.partial_lse) + scalars)
-            for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
-                                                         self.launch_max_tokens)]
+                      self.partial_lse) + scalars + (int(self.arrays.early_final and i == last),))
+            for i, ((block_m, records), items, tokens) in enumerate(zip(
+                self.arrays.items.items(), self._items, self.launch_max_tokens))]
         if self.arrays.separate_merge:
             templates.append((dispatch.tree_merge_spec(dtype, self.head_dim, self.arch),
                               (self.num_branches, self.num_qo_heads, 1),
