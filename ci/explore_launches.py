@@ -63,13 +63,13 @@ def explore(name, case):
     fns = {"whole": lambda: plan.run(q, 0, out)}
     fns.update({i: (lambda l=l: runtime.run([l], q.device)) for i, l in enumerate(launches)})
     us = timing.median_us_each(fns, RUNS)
-    floor = bench.unique_bytes(case) / 3.02e12 * 1e6
     parts = []
     for i, (launch, nbytes) in enumerate(zip(launches, launch_bytes(plan, case))):
         kernel = launch.spec.family.removeprefix("tree_")
         programs = launch.grid[0] * launch.grid[1] * launch.grid[2]
         parts.append(f"{kernel}[{programs}p {nbytes / 1e6:.1f}MB] {us[i]:.1f}us "
                      f"{nbytes / us[i] / 1e6:.2f}TB/s")
+    floor = bench.unique_bytes(case) / (bench.load_cases()["h100_copy_bandwidth_TBps"] * 1e6)
     print(f"{name:24} floor {floor:6.1f} whole {us['whole']:6.1f} "
           f"(bar {one_launch_bar_us():.1f}) | " + " | ".join(parts), flush=True)
     print(f"{'':24} " + " ".join(l.spec.name for l in launches), flush=True)

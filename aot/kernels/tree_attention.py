@@ -55,7 +55,9 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
                  PAGE: tl.constexpr, PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
-    if early_final:  # the plan's choice: final programs may fill the SMs later waves leave
+    # early_final (the plan's choice): final programs may fill the SMs later waves leave. Only a
+    # launch made to overlap this one (the final or merge launch) reacts to the signal.
+    if early_final:
         let_next_launch_start(PDL)
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
     kv_head = tl.program_id(1)

@@ -148,8 +148,9 @@ struct Plan {
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
   int64_t final_lanes = 1;  // branches per final-kernel program (1 when merging separately)
-  // The last partial launch lets the final (or merge) launch start at its programs' start, not
-  // after their walks (the tree_partial argument early_final).
+  // The partial launches let the final (or merge) launch start at their programs' start, not
+  // after their walks (the tree_partial argument early_final). Only the last one's signal
+  // matters: a partial launch after another is launched plainly, after it has ended.
   bool early_final = false;
   double estimated_us = 0;  // estimated_us() of this plan
 };

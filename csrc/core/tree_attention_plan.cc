@@ -194,8 +194,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"entry_slot", work(kEntrySlot)}, {"partial_out", device(d_partial_out_)},
                       {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
-                      // only the last partial launch is followed by one that may overlap it
-                      {"early_final", Arg::Int(plan_.early_final && i + 1 == plan_.items.size())}},
+                      {"early_final", Arg::Int(plan_.early_final)}},
                      stream);
   if (!st.ok()) return st;
   bool after_partials = !plan_.items.empty();  // the last launch may overlap the partial launch

@@ -173,16 +173,15 @@ class TreeAttentionPlan:
         scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
                    self.allocator.block_size, self.tables.shape[1])
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
-        last = len(self._items) - 1  # the one partial launch the last launch may overlap
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
                 "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m),
                 self.allocator.block_size),
              (records.shape[0], kv_heads, 1),
              paged + (self._order, items, self._entry_slot, self.partial_out,
-                      self.partial_lse) + scalars + (int(self.arrays.early_final and i == last),))
-            for i, ((block_m, records), items, tokens) in enumerate(zip(
-                self.arrays.items.items(), self._items, self.launch_max_tokens))]
+                      self.partial_lse) + scalars + (int(self.arrays.early_final),))
+            for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
+                                                         self.launch_max_tokens)]
         if self.arrays.separate_merge:
             templates.append((dispatch.tree_merge_spec(dtype, self.head_dim, self.arch),
                               (self.num_branches, self.num_qo_heads, 1),
