@@ -232,27 +232,25 @@ def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_hea
 
 @pytest.mark.parametrize("name, early", [
     ("ft_1,4,16,512/q32kv8", True),   # 512 partial programs: over 2 per SM
-    ("ft_deep16/q32kv32", True),
     ("ft_1,1024/q32kv8", True),
-    ("seed_b256/q32kv8", False),      # 256: one wave of compute-bound root programs
-    ("ft_1,256/q32kv8", False),
-    ("ft_1,16,64/q32kv8", False),     # its last partial launch (the wide one) has 128
-    ("ft_1,10/q32kv8", False),        # merges separately
+    ("seed_b256/q32kv8", True),       # 256: one wave of compute-bound root programs
+    ("ft_1,2,64/q32kv8", True),       # 32: SMs left free beside them
+    ("ft_1,16,64/q32kv8", True),      # two partial launches: the wide one signals
+    ("ft_1,10/q32kv8", False),        # merges separately: tree_merge has nothing to do early
+    ("seed_b1/q16kv1", False),        # merges separately
     ("flat_64x2048/q32kv8", False),   # no partial launch
 ])
-def test_final_starts_early_after_more_than_two_partial_programs_per_sm(name, early):
-    """The final launch starts at the last partial launch's start where that launch has more
-    than kWaves (2) programs per SM and the plan has a final kernel; forced either way it
-    follows the option wherever a partial launch exists."""
+def test_final_starts_early_where_the_plan_has_a_final_kernel(name, early):
+    """The last launch starts at the last partial launch's start where it is a final kernel (it
+    walks its own ranges before it waits) and after the walks where it is tree_merge; forced
+    either way it follows the option wherever a partial launch exists."""
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu", random=False)
-    heads, kv_heads = case["num_qo_heads"], case["num_kv_heads"]
-    tree, arrays = plan_for(alloc, leaves, heads)
+    tree, arrays = plan_for(alloc, leaves, case["num_qo_heads"])
     assert arrays.early_final == early
-    last_programs = arrays.items[max(arrays.items)].shape[0] * kv_heads if arrays.items else 0
-    assert early == (not arrays.separate_merge and last_programs > 2 * H100["num_sms"])
+    assert early == (not arrays.separate_merge and bool(arrays.items))
     for forced in (False, True):
-        again = plan_for(alloc, leaves, heads, early_final=forced)[1]
+        again = plan_for(alloc, leaves, case["num_qo_heads"], early_final=forced)[1]
         assert again.early_final == (forced and bool(again.items))
 
 

@@ -240,9 +240,7 @@ int64_t final_lanes(int64_t rows, const PlanShape& shape) {
   return lanes;
 }
 
-bool final_starts_early(int64_t last_partial_programs, bool separate_merge, const PlanShape& shape) {
-  return !separate_merge && last_partial_programs > kWaves * shape.num_sms;
-}
+bool final_starts_early(bool separate_merge) { return !separate_merge; }
 
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
   double total = last_launch_us(plan, tree, shape);
@@ -322,9 +320,8 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   merge_slots(tree, &p);
   make_items(p, chunk_block_m, shape.group(), &p.items);
   if (!p.separate_merge) p.final_lanes = options.final_lanes ? options.final_lanes : final_lanes(tree.num_rows(), shape);
-  int64_t last_programs = p.items.empty() ? 0 : p.items.back().count() * shape.num_kv_heads;
   p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
-                                                                : final_starts_early(last_programs, p.separate_merge, shape));
+                                                                : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);
   *out = std::move(p);
   return Status::Ok();

@@ -78,12 +78,14 @@ constexpr int64_t kMergeSlotsPerStep = 16;
 // of two, that leave kMinFinalProgramsPerSm programs per SM (H100, docs/perf.md session 11:
 // 256 leaves of 64 tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes; 64 leaves lose at 2).
 constexpr int64_t kMinFinalProgramsPerSm = 3;
-// The final launch starts beside the (last) partial launch's programs instead of after their
-// walks where that launch runs more than kWaves programs per SM: its later waves are short or
-// uneven, and final programs fill the SMs they leave. Within one wave the SMs hold compute-bound
-// root programs, which final programs beside them only slow (H100, docs/perf.md session 12:
-// ft_1,4,16,512/q32kv8 117.2 -> 106.6 us, ft_deep16/q32kv32 196.0 -> 183.0; seed_b256/q32kv8
-// 73.1 -> 82.0). Plans that merge separately keep the late start (long_1,4/q16kv1 28.9 -> 31.6).
+// The last launch starts at the (last) partial launch's programs' start, not after their walks,
+// where it has work of its own before it waits: a final program walks its branches' final
+// ranges while partial programs still run, and waits only before its merge. tree_merge has
+// nothing to do before its wait, so plans
+// that merge separately keep the late start (H100, docs/perf.md session 16, the kernels of
+// session 14 on: early no slower on any of the 19 final-kernel plans of the cases file that
+// session 15's rule left late, ft_1,2,64/q32kv8 20.2 -> 17.5 us, ft_1,4,256/q32kv8 35.0 ->
+// 31.1, seed_b256/q32kv8 65.8 -> 64.9; session 12: long_1,4/q16kv1, a merge plan, 28.9 -> 31.6).
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
@@ -168,7 +170,7 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
 int64_t chunk_length(int64_t length, int64_t target);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
 int64_t final_lanes(int64_t rows, const PlanShape& shape);
-bool final_starts_early(int64_t last_partial_programs, bool separate_merge, const PlanShape& shape);
+bool final_starts_early(bool separate_merge);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 

@@ -17,9 +17,10 @@ is a partial item (the last one *open*: it reads to its branch's length at run t
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
 runs. Where the GQA group leaves rows of the final kernel's tile free, one final program serves
 ``final_lanes`` branches (a power of two, while 3 programs per SM remain) and walks their final
-ranges side by side. The final (or merge) launch starts while the last partial launch runs:
-after its programs' walks, or at their start (``early_final``) where that launch runs more
-than two programs per SM and the plan has a final kernel (its later waves leave SMs free). A plan that merges separately over both row tiles is also planned with
+ranges side by side. The final (or merge) launch starts while the last partial launch runs: a
+final kernel at its programs' start (``early_final``: it walks its own ranges before it waits
+for the partials), a merge kernel after their walks (it has nothing to do before its wait). A
+plan that merges separately over both row tiles is also planned with
 every item in the wide tile (*one tile*: one partial launch fewer, the same folds), kept where
 it estimates faster.
 
