@@ -55,8 +55,8 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
                  PAGE: tl.constexpr, PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
-    # early_final (the plan's choice): final programs may fill the SMs later waves leave. Only a
-    # launch made to overlap this one (the final or merge launch) reacts to the signal.
+    # early_final (the plan's choice, every plan with a final kernel): final programs walk their
+    # own ranges while this launch runs. Only a launch made to overlap this one reacts.
     if early_final:
         let_next_launch_start(PDL)
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
