@@ -531,27 +531,30 @@ def random_tree(dtype, head_dim):
     return alloc, random_branches(alloc, 40, 4, 300, seed=3)
 
 
-def seed_like_tree(dtype, head_dim, device="cuda"):
+def seed_like_tree(dtype, head_dim, device="cuda", block_size=16):
     """48 leaves of 40 tokens under a 1000-token root (its last block is half full, so each
     leaf copies it on its first write): decode steps cross a block boundary at 1040."""
     from flash_reasoning.bench import case_allocator, seed_case
     return case_allocator(seed_case(48, prefix=1000, leaf=40, num_kv_heads=8, head_dim=head_dim,
-                                    dtype=str(dtype).split(".")[-1]), device=device)
+                                    dtype=str(dtype).split(".")[-1]), device=device,
+                           block_size=block_size)
 
 
-def long_branches_tree(dtype, head_dim, device="cuda"):
+def long_branches_tree(dtype, head_dim, device="cuda", block_size=16):
     """Two branches of 3000 tokens that share 2960: the planner merges separately."""
     from flash_reasoning.bench import case_allocator, seed_case
     return case_allocator(seed_case(2, prefix=2960, leaf=40, num_kv_heads=8, head_dim=head_dim,
-                                    dtype=str(dtype).split(".")[-1]), device=device)
+                                    dtype=str(dtype).split(".")[-1]), device=device,
+                           block_size=block_size)
 
 
-def packed_tree(dtype, head_dim, device="cuda"):
+def packed_tree(dtype, head_dim, device="cuda", block_size=16):
     """256 leaves of 24 tokens under a 512-token root: on an H100 each final program serves
     four branches."""
     from flash_reasoning.bench import case_allocator, seed_case
     return case_allocator(seed_case(256, prefix=512, leaf=24, num_kv_heads=8, head_dim=head_dim,
-                                    dtype=str(dtype).split(".")[-1]), device=device)
+                                    dtype=str(dtype).split(".")[-1]), device=device,
+                           block_size=block_size)
 
 
 def test_trees_take_the_final_kernels_they_are_meant_to():
@@ -563,6 +566,44 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
         alloc, ids = make_tree(torch.float16, 128, device="cpu")
         arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
         assert (arrays.separate_merge, arrays.final_lanes) == (separate, lanes)
+
+
+@pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
+@pytest.mark.parametrize("make_tree", [long_branches_tree, seed_like_tree, packed_tree])
+def test_plan_kernels_agree_with_python(api, host_context, make_tree, block_size, page):
+    """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
+    blocks takes the kernels compiled for that page size, any other size the generic ones."""
+    from flash_reasoning import TreeAttentionPlan
+    alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
+    rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
+    assert rc == FR_OK, msg
+    python = TreeAttentionPlan(alloc, ids, 32, num_sms=132, arch=ARCH)
+    q = torch.empty(len(ids), 32, 128, dtype=torch.float16)
+    expected = [launch.spec.name for launch in python.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)]
+    names = []
+    for launch in range(api.info(plan)["num_launches"]):
+        box = api.out("const char*")
+        rc, msg = api.call("frPlanKernelName", plan, launch, box)
+        assert rc == FR_OK, msg
+        names.append(api.ffi.string(box[0]).decode())
+    assert names == expected and len(names) >= 2
+    attention = [name for name in names if not name.startswith("tree_merge")]
+    assert attention and all(page in name for name in attention)
+    api.lib.frPlanDestroy(plan)
+
+
+def test_plan_kernel_name_rejects(api, host_context):
+    rc, msg, plan = api.plan(host_context, shared_root(4, root=64, leaf=8))
+    assert rc == FR_OK, msg
+    launches = api.info(plan)["num_launches"]
+    for launch in (-1, launches):
+        box = api.out("const char*")
+        rc, msg = api.call("frPlanKernelName", plan, launch, box)
+        assert rc == FR_INVALID_ARGUMENT and f"has {launches} launches" in msg and api.untouched(box)
+    box = api.out("const char*")
+    assert api.call("frPlanKernelName", api.ffi.NULL, 0, box)[0] == FR_INVALID_ARGUMENT
+    assert api.call("frPlanKernelName", plan, 0, api.ffi.NULL)[0] == FR_INVALID_ARGUMENT
+    api.lib.frPlanDestroy(plan)
 
 
 @gpu

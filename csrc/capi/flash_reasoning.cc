@@ -136,6 +136,16 @@ FR_EXPORT frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info) {
   return record(fr::Status::Ok());
 }
 
+FR_EXPORT frStatus frPlanKernelName(frPlan plan, int32_t launch, const char** name) {
+  if (!plan || !name) return invalid("plan and name must not be NULL");
+  const std::string& kernel = plan->core->kernel_name(launch);
+  if (kernel.empty())
+    return invalid("launch " + std::to_string(launch) + " is out of range: the plan has " +
+                   std::to_string(plan->core->num_launches()) + " launches");
+  *name = kernel.c_str();
+  return record(fr::Status::Ok());
+}
+
 FR_EXPORT frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v_pool, void* out,
                              void* stream) {
   if (!plan) return invalid("plan must not be NULL");

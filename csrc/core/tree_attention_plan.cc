@@ -112,6 +112,13 @@ int64_t TreeAttentionPlan::num_launches() const {
   return num_branches() ? int64_t(plan_.items.size()) + 1 : 0;
 }
 
+const std::string& TreeAttentionPlan::kernel_name(int64_t launch) const {
+  static const std::string none;
+  if (launch < 0 || launch >= num_launches()) return none;
+  size_t partials = partial_kernels_.size();
+  return ctx_.kernel(size_t(launch) < partials ? partial_kernels_[launch] : last_kernel_).name;
+}
+
 int64_t TreeAttentionPlan::unique_tokens() const {
   int64_t total = 0;
   for (int64_t v = 0; v < tree_.num_nodes(); ++v) total += tree_.node_end[v] - tree_.node_start[v];

@@ -36,6 +36,9 @@ class TreeAttentionPlan {
   int64_t num_nodes() const { return tree_.num_nodes(); }
   int64_t computed_nodes() const { return plan_.computed_nodes; }
   int64_t num_launches() const;
+  // The manifest name of launch `launch` (0 <= launch < num_launches()) of the next run: the
+  // partial launches in order, then the final (or merge) kernel; an empty name out of range.
+  const std::string& kernel_name(int64_t launch) const;
   int64_t max_blocks() const { return max_blocks_; }
   int64_t unique_tokens() const;
   int64_t logical_tokens() const;

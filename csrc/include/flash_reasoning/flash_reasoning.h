@@ -126,6 +126,11 @@ frStatus frContextArch(frContext context, const char** arch);
 frStatus frPlanCreate(frContext context, const frAttentionShape* shape, const frTree* tree,
                       int32_t extra_blocks, frPlan* out);
 frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info);
+/* The manifest name of the kernel that launch `launch` (0 <= launch < num_launches) of the next
+ * frPlanRun runs: the partial launches, then the final or merge kernel (for logs and tests:
+ * which specialization dispatch picked, e.g. one compiled for 16-token pages). Valid while the
+ * context lives; the final kernel's name can change with frPlanUpdate. */
+frStatus frPlanKernelName(frPlan plan, int32_t launch, const char** name);
 /* out[i] = softmax(q[i] K_i^T * sm_scale) V_i over branch i's tokens, in one layer's pools. */
 frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v_pool, void* out,
                    void* stream);
