@@ -531,30 +531,31 @@ def random_tree(dtype, head_dim):
     return alloc, random_branches(alloc, 40, 4, 300, seed=3)
 
 
+def shared_root_tree(branches: int, prefix: int, leaf: int, dtype, head_dim: int, device: str,
+                     block_size: int):
+    """An allocator holding `branches` leaves of `leaf` tokens under a `prefix`-token root
+    (8 KV heads), and the leaves' ids."""
+    from flash_reasoning.bench import case_allocator, seed_case
+    case = seed_case(branches, prefix=prefix, leaf=leaf, num_kv_heads=8, head_dim=head_dim,
+                     dtype=str(dtype).split(".")[-1])
+    return case_allocator(case, device=device, block_size=block_size)
+
+
 def seed_like_tree(dtype, head_dim, device="cuda", block_size=16):
     """48 leaves of 40 tokens under a 1000-token root (its last block is half full, so each
     leaf copies it on its first write): decode steps cross a block boundary at 1040."""
-    from flash_reasoning.bench import case_allocator, seed_case
-    return case_allocator(seed_case(48, prefix=1000, leaf=40, num_kv_heads=8, head_dim=head_dim,
-                                    dtype=str(dtype).split(".")[-1]), device=device,
-                           block_size=block_size)
+    return shared_root_tree(48, 1000, 40, dtype, head_dim, device, block_size)
 
 
 def long_branches_tree(dtype, head_dim, device="cuda", block_size=16):
     """Two branches of 3000 tokens that share 2960: the planner merges separately."""
-    from flash_reasoning.bench import case_allocator, seed_case
-    return case_allocator(seed_case(2, prefix=2960, leaf=40, num_kv_heads=8, head_dim=head_dim,
-                                    dtype=str(dtype).split(".")[-1]), device=device,
-                           block_size=block_size)
+    return shared_root_tree(2, 2960, 40, dtype, head_dim, device, block_size)
 
 
 def packed_tree(dtype, head_dim, device="cuda", block_size=16):
     """256 leaves of 24 tokens under a 512-token root: on an H100 each final program serves
     four branches."""
-    from flash_reasoning.bench import case_allocator, seed_case
-    return case_allocator(seed_case(256, prefix=512, leaf=24, num_kv_heads=8, head_dim=head_dim,
-                                    dtype=str(dtype).split(".")[-1]), device=device,
-                           block_size=block_size)
+    return shared_root_tree(256, 512, 24, dtype, head_dim, device, block_size)
 
 
 def test_trees_take_the_final_kernels_they_are_meant_to():
