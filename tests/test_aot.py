@@ -108,17 +108,16 @@ def test_build_is_incremental(tmp_path):
 
 def test_build_refuses_an_overlapping_kernel_that_never_waits():
     """A kernel launched to overlap its predecessor must wait for it (griddepcontrol.wait):
-    tree_final compiles; tree_partial, which only lets the next launch start, is refused once
-    marked as waiting."""
+    tree_final compiles; tree_partial, once the tree kernels' wait is swapped for the signal
+    that lets the next launch start, is refused."""
     script = textwrap.dedent("""
-        import dataclasses
         from aot import build
-        from flash_reasoning import dispatch, specializations as s
+        from aot.kernels import tree_attention
+        from flash_reasoning import dispatch
         build.compile_spec("sm90", dispatch.tree_final_spec("float16", 64, "sm90"))
-        partial = dispatch.tree_partial_spec("float16", 64, 16, "sm90")
-        s.FAMILIES["tree_partial"] = dataclasses.replace(s.TREE_PARTIAL, waits_for_previous=True)
+        tree_attention.wait_for_previous_launch = tree_attention.let_next_launch_start
         try:
-            build.compile_spec("sm90", partial)
+            build.compile_spec("sm90", dispatch.tree_partial_spec("float16", 64, 16, "sm90"))
         except RuntimeError as err:
             print(err)
     """)

@@ -13,7 +13,8 @@ from flash_reasoning._launcher import LauncherError
 from flash_reasoning.bench import case_allocator, load_cases
 from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
 from flash_reasoning.specializations import TREE_PARTIAL
-from flash_reasoning.synthetic import random_branches, random_kv
+from flash_reasoning.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
+                                       random_kv)
 from flash_reasoning.tree import build_branches, from_levels
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -414,6 +415,25 @@ def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
     last = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)[-1].spec
     assert last.family == ("tree_merge" if separate else "tree_final")
     assert last.overlaps_previous == (plan.arch == "sm90")
+    for _ in range(5):
+        plan.partial_out.fill_(float("nan"))
+        plan.partial_lse.fill_(float("nan"))
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, leaves)
+
+
+@gpu
+def test_gpu_second_partial_launch_waits_for_the_first():
+    """On sm90 the wide tile's partial launch overlaps the narrow tile's, and the final launch
+    waits for the wide one, which waits for the narrow one before it ends: the narrow launch's
+    long partials, poisoned before every run, never reach the output."""
+    alloc, leaves = long_narrow_node("cuda")
+    q = queries(alloc, leaves, 32)
+    plan = TreeAttentionPlan(alloc, leaves, 32, target_chunk=LONG_NODE_TOKENS, flat=False)
+    launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)
+    assert [(x.spec.family, dict(x.spec.constexprs).get("BLOCK_M")) for x in launches] == [
+        ("tree_partial", 16), ("tree_partial", 64), ("tree_final", 16)]
+    assert [x.grid[0] for x in launches[:2]] == [1, 4]
+    assert launches[1].spec.overlaps_previous == (plan.arch == "sm90")
     for _ in range(5):
         plan.partial_out.fill_(float("nan"))
         plan.partial_lse.fill_(float("nan"))

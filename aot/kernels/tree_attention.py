@@ -20,7 +20,10 @@ heads leaves tile rows free, so each program serves ``lanes`` branches (``order[
 ``PDL`` (sm90, ``dispatch.grid_dependency``): the partial launch lets the final (or merge)
 launch start once its programs are past their walks (or, with the plan's ``early_final``, once
 they have started), and that launch waits for it only before it reads the partials: its
-queries, lengths and own range are loaded and walked meanwhile.
+queries, lengths and own range are loaded and walked meanwhile. A plan with items in both row
+tiles makes two partial launches; the second starts the same way beside the first (it reads
+nothing the first writes) and waits for it at its end, so that waiting for the second is
+waiting for both.
 
 A plan that merges separately (``Plan.separate_merge``: a final program would walk a long
 range or fold many partials one after another) has no final launch: every chunk of every
@@ -88,6 +91,9 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     part = slot.to(tl.int64) * num_qo_heads + head
     tl.store(partial_out + part[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None])
     tl.store(partial_lse + part, lse, mask=row_ok)
+    # A second partial launch overlaps the first: it reads nothing the first writes, but the
+    # launch after both waits for it alone, so it must not end before the first has.
+    wait_for_previous_launch(PDL)
 
 
 @triton.jit

@@ -202,7 +202,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
                       {"early_final", Arg::Int(plan_.early_final)}},
-                     stream);
+                     stream, i > 0);  // the second tile's launch overlaps the first's
   if (!st.ok()) return st;
   bool after_partials = !plan_.items.empty();  // the last launch may overlap the partial launch
   if (plan_.separate_merge)

@@ -22,9 +22,10 @@ class Family:
     """One ``@triton.jit`` kernel: its runtime parameters (in order) and its constexprs.
 
     A parameter type ``"*{dt}"`` is filled with the specialization's dtype. ``waits_for_previous``:
-    compiled with grid dependency control (constexpr ``PDL`` 1), the kernel reads what the
-    launch before it wrote only after waiting for that launch, so it may be launched to overlap
-    it (programmatic dependent launch).
+    compiled with grid dependency control (constexpr ``PDL`` 1), the kernel waits for the
+    launch before it before reading anything that launch wrote and before it ends, so it may be
+    launched to overlap it (programmatic dependent launch), and a launch that waits for it has
+    waited for every launch before it too.
     """
     name: str
     params: tuple[tuple[str, str], ...]
@@ -80,6 +81,7 @@ TREE_PARTIAL = Family(
                            ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
     + (("early_final", "i32"),),
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "PDL"),
+    waits_for_previous=True,  # a second partial launch overlaps the first (one per row tile)
 )
 
 TREE_FINAL = Family(

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .allocator import PhysicalKVAllocator
+
 
 @dataclass
 class PagedProblem:
@@ -72,3 +74,26 @@ def random_branches(allocator, num_branches: int, max_depth: int, max_tokens: in
             k, v = random_kv(allocator, gen, count)
             allocator.write(branch.branch_id, layer, k, v, start=position)
     return list(depth)
+
+
+#: The long node of :func:`long_narrow_node`: planned with ``target_chunk`` of this many
+#: tokens, it is one work item per KV head.
+LONG_NODE_TOKENS = 8192
+
+
+def long_narrow_node(device) -> tuple:
+    """A tree whose narrow-tile partial launch runs far longer than its wide-tile one (when
+    planned with ``target_chunk=LONG_NODE_TOKENS, flat=False``): a node of LONG_NODE_TOKENS
+    under two branches (the first launch: one item per KV head) and a 256-token root under all
+    64 (the second). Returns (allocator, leaves): 8 KV heads of 128, 16-token blocks."""
+    alloc = PhysicalKVAllocator(700, 16, 8, 128, device=device)
+    gen = torch.Generator().manual_seed(3)
+    root = alloc.alloc_branch(0).branch_id
+    alloc.write(root, 0, *random_kv(alloc, gen, 256))
+    node = alloc.alloc_branch(256, root).branch_id
+    alloc.write(node, 0, *random_kv(alloc, gen, LONG_NODE_TOKENS), start=256)
+    leaves = [b.branch_id for b in alloc.alloc_branches(2, 256 + LONG_NODE_TOKENS, node)]
+    leaves += [b.branch_id for b in alloc.alloc_branches(62, 256, root)]
+    for leaf in leaves:
+        alloc.write(leaf, 0, *random_kv(alloc, gen, 16), start=alloc.length(leaf))
+    return alloc, leaves
