@@ -421,19 +421,34 @@ def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, leaves)
 
 
+def long_narrow_plan(device, **plan_kw):
+    """``synthetic.long_narrow_node``'s tree planned as its docstring says; checks the plan is
+    the one described: one narrow item, then four wide ones, then the final launch."""
+    alloc, leaves = long_narrow_node(device)
+    q = queries(alloc, leaves, 32)
+    plan = TreeAttentionPlan(alloc, leaves, 32, target_chunk=LONG_NODE_TOKENS, flat=False,
+                             **plan_kw)
+    launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)
+    assert [(x.spec.family, dict(x.spec.constexprs).get("BLOCK_M")) for x in launches] == [
+        ("tree_partial", 16), ("tree_partial", 64), ("tree_final", 16)]
+    assert [x.grid[0] for x in launches[:2]] == [1, 4]
+    return alloc, leaves, q, plan, launches
+
+
+def test_second_partial_launch_overlaps_the_first_on_sm90_only():
+    """Every launch of the plan is an overlapping kernel on sm90 (the launcher overlaps none
+    that comes first in its sequence: tests/test_launcher.py), none elsewhere."""
+    for arch in ("sm80", "sm89", "sm90"):
+        *_, launches = long_narrow_plan("cpu", num_sms=132, arch=arch)
+        assert [x.spec.overlaps_previous for x in launches] == [arch == "sm90"] * 3
+
+
 @gpu
 def test_gpu_second_partial_launch_waits_for_the_first():
     """On sm90 the wide tile's partial launch overlaps the narrow tile's, and the final launch
     waits for the wide one, which waits for the narrow one before it ends: the narrow launch's
     long partials, poisoned before every run, never reach the output."""
-    alloc, leaves = long_narrow_node("cuda")
-    q = queries(alloc, leaves, 32)
-    plan = TreeAttentionPlan(alloc, leaves, 32, target_chunk=LONG_NODE_TOKENS, flat=False)
-    launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)
-    assert [(x.spec.family, dict(x.spec.constexprs).get("BLOCK_M")) for x in launches] == [
-        ("tree_partial", 16), ("tree_partial", 64), ("tree_final", 16)]
-    assert [x.grid[0] for x in launches[:2]] == [1, 4]
-    assert launches[1].spec.overlaps_previous == (plan.arch == "sm90")
+    alloc, leaves, q, plan, _ = long_narrow_plan("cuda")
     for _ in range(5):
         plan.partial_out.fill_(float("nan"))
         plan.partial_lse.fill_(float("nan"))
