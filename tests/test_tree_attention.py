@@ -91,9 +91,9 @@ def test_one_tile_plan_interpreted():
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("early", [False, True])
 def test_early_final_interpreted(separate, early):
-    """``early_final`` reaches every partial launch (only the last one's signal matters: the
-    launch after another partial launch never overlaps it), and either start gives the same
-    output."""
+    """``early_final`` reaches every partial launch (on sm90 the first one's signal starts the
+    second partial launch, the last one's the final or merge launch), and either start gives
+    the same output."""
     alloc, ids = forest("cpu", num_kv_heads=2, tokens=200, seed=10)  # both row tiles
     q = queries(alloc, ids, 8)
     plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, flat=False,

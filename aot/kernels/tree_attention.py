@@ -59,7 +59,8 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
     # early_final (the plan's choice, every plan with a final kernel): final programs walk their
-    # own ranges while this launch runs. Only a launch made to overlap this one reacts.
+    # own ranges while this launch runs, and a two-tile plan's second partial launch runs
+    # beside the first. Only a launch made to overlap this one reacts.
     if early_final:
         let_next_launch_start(PDL)
     item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE

@@ -150,9 +150,9 @@ struct Plan {
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
   int64_t final_lanes = 1;  // branches per final-kernel program (1 when merging separately)
-  // The partial launches let the final (or merge) launch start at their programs' start, not
-  // after their walks (the tree_partial argument early_final). Only the last one's signal
-  // matters: a partial launch after another is launched plainly, after it has ended.
+  // Each partial launch lets the launch after it start at its programs' start, not after their
+  // walks (the tree_partial argument early_final): the final (or merge) launch, and on sm90 a
+  // two-tile plan's second partial launch, which starts beside the first.
   bool early_final = false;
   double estimated_us = 0;  // estimated_us() of this plan
 };

@@ -71,10 +71,10 @@ class PlanArrays:
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
-    packed kernel, when above 1; row ``p`` otherwise); ``early_final``: the last partial
-    launch lets that launch start at its programs' start, not after their walks. ``work`` holds
-    order, final_start, merge_ptr, entry_slot and each tile's items packed for one upload,
-    list ``i`` from ``work_offsets[i]``."""
+    packed kernel, when above 1; row ``p`` otherwise); ``early_final``: each partial launch
+    lets the launch after it start at its programs' start, not after their walks. ``work``
+    holds order, final_start, merge_ptr, entry_slot and each tile's items packed for one
+    upload, list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
     chunk_start: np.ndarray
     chunk_end: np.ndarray
