@@ -37,8 +37,9 @@ def specs_for(arch: str, wide: bool | None = None) -> list[Spec]:
 
 
 def candidate_specs(arch: str) -> list[Spec]:
-    """Every candidate of every rule list that fits the arch's shared memory, for any page
-    size and for each compiled one (a tuning run times the kernels a call would launch)."""
+    """Every candidate of every rule list that fits the arch's shared memory, for each of its
+    kernel's addressings (any page size, each compiled one, one run of slots): a tuning run
+    times the kernels a call would launch."""
     specs = []
     for dtype in DTYPES:
         for head_dim in CANDIDATE_HEAD_DIMS:
@@ -47,8 +48,8 @@ def candidate_specs(arch: str) -> list[Spec]:
                 for config in WIDE_TILE_CANDIDATES if wide_tile else DECODE_TILE_CANDIDATES:
                     if fits_shared_memory(arch, head_dim, block_m or dispatch.BLOCK_M, config):
                         specs += [dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
-                                                       block_m, page_size)
-                                  for page_size in dispatch.PAGE_KERNELS]
+                                                       block_m, page_size, contiguous)
+                                  for page_size, contiguous in dispatch.addressings(kernel)]
     return specs
 
 

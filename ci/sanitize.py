@@ -108,6 +108,7 @@ class Checker:
         self.failures: list[str] = []
         self.checks = 0
         self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
+        self.contiguous: set[int] = set()  # ... on the kernels that read one run of slots
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
 
     def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -137,6 +138,7 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
                                  separate_merge=merge, final_lanes=lane)
         check.tiles.update(plan.arrays.items)
+        check.contiguous.update(tile for tile, run in plan.contiguous.items() if run)
         if not plan.arrays.separate_merge:
             check.lanes.add(plan.arrays.final_lanes)
         for layer in range(alloc.num_layers):
@@ -173,7 +175,8 @@ def main() -> int:
                    chunks=(None, 64), merges=(False, True))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
-          f"tiles run: {sorted(check.tiles)}; tree_final lanes run: {sorted(check.lanes)}",
+          f"tiles run: {sorted(check.tiles)} (contiguous: {sorted(check.contiguous)}); "
+          f"tree_final lanes run: {sorted(check.lanes)}",
           flush=True)
     return 1 if check.failures else 0
 

@@ -333,6 +333,20 @@ def test_block_tables_cache_tracks_changes():
     assert lengths.tolist() == [7, 7] and not torch.equal(tables, first[0])
 
 
+def test_host_tables_are_the_block_tables_read_in_place():
+    """What planning reads: the mirror itself (no copy), read-only, each branch's row in it
+    holding block_tables' entries."""
+    alloc = small_allocator(num_blocks=8, layers=1)
+    _, kids = forked_family(alloc, children=2)
+    alloc.append(kids, 0, *token_rows([7, 8]))
+    mirror, rows = alloc.host_tables(kids[::-1])
+    tables, _ = alloc.block_tables(kids[::-1])
+    assert np.array_equal(mirror[rows, :tables.shape[1]], tables.cpu().numpy())
+    assert not mirror.flags.writeable and mirror.base is not None
+    with pytest.raises(ValueError):
+        mirror[0, 0] = 1
+
+
 def test_free_parent_keeps_children_valid():
     alloc = small_allocator(num_blocks=8, layers=1)
     root, kids = forked_family(alloc, children=2)

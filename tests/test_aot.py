@@ -62,10 +62,10 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
     from flash_reasoning import _launcher
     launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
     num_sms = 132
-    for dtype, page_size in itertools.product(("float16", "bfloat16"), dispatch.PAGE_KERNELS):
-        for hd in dispatch.HEAD_DIMS:
-            for kernel, block_m in dispatch.RULE_LISTS:
-                key = dispatch.rule_key(kernel, dtype, hd, block_m, page_size)
+    for dtype in ("float16", "bfloat16"):
+        for hd, (kernel, block_m) in itertools.product(dispatch.HEAD_DIMS, dispatch.RULE_LISTS):
+            for page_size, contiguous in dispatch.addressings(kernel):
+                key = dispatch.rule_key(kernel, dtype, hd, block_m, page_size, contiguous)
                 rule_list = dispatch.rules(kernel, dtype, hd, arch, block_m)[0]
                 token_bounds = {b for _, b, _ in rule_list if b}
                 program_bounds = {math.floor(p * num_sms) for p, _, _ in rule_list if p}
@@ -78,7 +78,8 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
                         picked = launcher.pick(key, -1 if tokens is None else tokens,
                                                -1 if programs is None else programs, num_sms)
                         assert picked == dispatch.kernel_spec(
-                            kernel, dtype, hd, arch, config, block_m, page_size).name, \
+                            kernel, dtype, hd, arch, config, block_m, page_size,
+                            contiguous).name, \
                             (key, tokens, programs)
     assert _manifest(arch)["dispatch"]["constants"]["block_m"] == dispatch.BLOCK_M
     for seqs, programs, length in [(1, 8, 2048), (4, 16, 32768), (1, 2, 100), (64, 8, 4096),

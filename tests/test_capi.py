@@ -570,10 +570,13 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
 
 
 @pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
-@pytest.mark.parametrize("make_tree", [long_branches_tree, seed_like_tree, packed_tree])
-def test_plan_kernels_agree_with_python(api, host_context, make_tree, block_size, page):
+@pytest.mark.parametrize("make_tree, contiguous", [(long_branches_tree, False), (seed_like_tree, True),
+                                                   (packed_tree, True)])
+def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous, block_size, page):
     """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
-    blocks takes the kernels compiled for that page size, any other size the generic ones."""
+    blocks takes the kernels compiled for that page size, any other size the generic ones. The
+    roots lie in consecutive pages: their partial launch reads them as one run of slots, except
+    where it also holds the branches' open chunks (long_branches_tree merges separately)."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
     rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
@@ -581,15 +584,36 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, block_size
     python = TreeAttentionPlan(alloc, ids, 32, num_sms=132, arch=ARCH)
     q = torch.empty(len(ids), 32, 128, dtype=torch.float16)
     expected = [launch.spec.name for launch in python.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)]
+    names = kernel_names(api, plan)
+    assert names == expected and len(names) >= 2
+    assert names[0].startswith("tree_partial") and ("_page0_contiguous1_" in names[0]) == contiguous
+    paged = [name for name in names[contiguous:] if not name.startswith("tree_merge")]
+    assert paged and all(page in name for name in paged)
+    api.lib.frPlanDestroy(plan)
+
+
+def kernel_names(api, plan) -> list:
+    """frPlanKernelName of each of the plan's launches."""
     names = []
     for launch in range(api.info(plan)["num_launches"]):
         box = api.out("const char*")
         rc, msg = api.call("frPlanKernelName", plan, launch, box)
         assert rc == FR_OK, msg
         names.append(api.ffi.string(box[0]).decode())
-    assert names == expected and len(names) >= 2
-    attention = [name for name in names if not name.startswith("tree_merge")]
-    assert attention and all(page in name for name in attention)
+    return names
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_plan_reads_a_root_in_consecutive_pages_as_one_run(api, host_context, scatter):
+    """A shared root whose pages follow one another takes the contiguous partial kernel; two
+    pages swapped, the paged one."""
+    problem = shared_root(8, root=1024, leaf=8)
+    if scatter:
+        problem.tables[:, [3, 4]] = problem.tables[:, [4, 3]]
+    rc, msg, plan = api.plan(host_context, problem)
+    assert rc == FR_OK, msg
+    partial = [name for name in kernel_names(api, plan) if name.startswith("tree_partial")]
+    assert partial and all(("_contiguous1_" in name) != scatter for name in partial)
     api.lib.frPlanDestroy(plan)
 
 

@@ -119,9 +119,9 @@ def test_every_config_a_call_can_pick_is_required(arch):
                 for kernel, block_m in dispatch.RULE_LISTS:
                     config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens, block_m,
                                                  programs, 132)
-                    for page_size in dispatch.PAGE_KERNELS:
+                    for page_size, contiguous in dispatch.addressings(kernel):
                         assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
-                                                    block_m, page_size) in required
+                                                    block_m, page_size, contiguous) in required
             assert dispatch.decode_spec(dtype, head_dim, True, arch) in required
             assert dispatch.merge_spec(dtype, head_dim) in required
 
@@ -146,6 +146,30 @@ def test_a_compiled_page_size_has_its_own_kernels_with_the_same_configs(arch):
             [r[2] for r in generic], key
     assert dispatch.decode_spec("float16", 64, False, arch, None, 16).key["PAGE"] == 16
     assert dispatch.tree_final_spec("float16", 64, arch, None, True, 7).key["PAGE"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_contiguous_partial_kernels_have_their_own_rules_with_the_same_configs(arch):
+    """tree_partial alone is also compiled to read ranges as one run of slots, for any page
+    size; its rule lists pick the configs of the page-size-at-run-time lists."""
+    assert dispatch.addressings("tree_partial") == ((0, False), (16, False), (0, True))
+    assert dispatch.addressings("tree_final") == ((0, False), (16, False))
+    assert dispatch.rule_key("tree_partial", "float16", 128, 64, 16, True) == \
+        "tree_partial/float16/128/64/contiguous"
+    with pytest.raises(ValueError, match="no contiguous kernels"):
+        dispatch.rule_key("tree_final", "float16", 128, None, 0, True)
+    with pytest.raises(ValueError, match="no contiguous kernels"):
+        dispatch.kernel_spec("paged_decode", "float16", 128, arch, (64, 4, 2), None, 0, True)
+    rules = dispatch.dispatch_rules(arch)["rules"]
+    runs = [key for key in rules if key.endswith("/contiguous")]
+    assert len(runs) == len(dispatch.TREE_BLOCK_MS) * len(DTYPES) * len(dispatch.HEAD_DIMS)
+    for key in runs:
+        generic = rules[key.removesuffix("/contiguous")]
+        assert [r[:2] for r in rules[key]] == [r[:2] for r in generic], key
+        assert [r[2].replace("_contiguous1_", "_contiguous0_") for r in rules[key]] == \
+            [r[2] for r in generic], key
+    spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, contiguous=True)
+    assert spec.key["CONTIGUOUS"] == 1 and spec.key["PAGE"] == 0
 
 
 def test_required_specs_follow_the_table(override):

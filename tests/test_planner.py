@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, planner
 from flash_reasoning.bench import case_allocator, load_cases
+from flash_reasoning.specializations import TREE_ITEM_FIELDS
 from flash_reasoning.synthetic import random_branches
 
 H100 = dict(num_sms=132, dtype_bytes=2)
@@ -284,7 +285,6 @@ def test_empty_branches_plan_to_empty_ranges():
 def test_item_fields_match_the_core():
     """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS."""
     from flash_reasoning import _launcher
-    from flash_reasoning.specializations import TREE_ITEM_FIELDS
     assert tuple(_launcher.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
 
 
@@ -307,3 +307,47 @@ def test_partials_past_int32_indexing_are_a_value_error():
     assert planner.plan(tree, planner.Shape(2**29, 2**29, 8, 2, 132), flat=False).num_entries == 2
     with pytest.raises(ValueError, match="the plan needs 2 partials of 1073741824 heads"):
         planner.plan(tree, planner.Shape(2**30, 2**30, 8, 2, 132))
+
+
+def item(table_row, kv_start, kv_end, open_end=0):
+    record = dict.fromkeys(TREE_ITEM_FIELDS, 0)
+    record.update(table_row=table_row, kv_start=kv_start, kv_end=kv_end, open_end=open_end)
+    return list(record.values())
+
+
+@pytest.mark.parametrize("records, expected", [
+    ([item(0, 0, 32)], True),            # pages 10, 11, 12, 13
+    ([item(0, 5, 27), item(1, 3, 8)], True),  # inside pages; one page (any id) is a run
+    ([item(1, 0, 16)], False),           # pages 40, 7: a gap
+    ([item(0, 0, 32), item(1, 0, 16)], False),  # one item off its run spoils the launch
+    ([item(0, 0, 32, open_end=1)], False),  # reads to its row's length: not the planned range
+    ([item(0, 0, 33)], False),           # past final_start[0] (32): a final range's chunk
+    ([item(2, 0, 8)], False),            # no such row
+    ([item(0, 8, 8)], False),            # empty
+    ([], True),
+])
+def test_contiguous_launches_need_closed_shared_ranges_in_consecutive_pages(records, expected):
+    """``planner.contiguous_launches`` (the core's ``items_contiguous``, which the C ABI uses
+    too): rows read the allocator's mirror in place through their row index."""
+    mirror = np.array([[0] * 6, [40, 7, 0, 0, 0, 0], [10, 11, 12, 13, 14, 0]], np.int64)
+    rows = np.array([2, 1])  # branch 0's table is mirror row 2
+    arrays = planner.PlanArrays(
+        *[None] * 8, items={64: np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))},
+        final_start=np.array([32, 16], np.int32), merge_ptr=None, entry_slot=None,
+        num_entries=0, work=None, work_offsets=None, separate_merge=False, final_lanes=1,
+        early_final=False)
+    assert planner.contiguous_launches(arrays, mirror, rows, 8) == {64: expected}
+
+
+def test_contiguous_launches_reject_bad_tables():
+    from flash_reasoning import _launcher
+    records = np.array([item(0, 0, 8)], np.int32)
+    starts = np.array([8], np.int32)
+    for tables, rows, match in [(np.zeros(4, np.int64), np.array([0]), "2-D"),
+                                (np.zeros((1, 4), np.int64), np.array([1]), "index tables"),
+                                (np.zeros((1, 4), np.int64), np.array([0, 0]), "rows must be")]:
+        with pytest.raises(ValueError, match=match):
+            _launcher.items_contiguous(records, starts, tables, rows, 8)
+    with pytest.raises(ValueError, match="records must be"):
+        _launcher.items_contiguous(records[:, :4], starts, np.zeros((1, 4), np.int64),
+                                   np.array([0]), 8)

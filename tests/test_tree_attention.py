@@ -87,6 +87,83 @@ def test_one_tile_plan_interpreted():
     check(out, q, alloc, ids)
 
 
+def shared_root(device, scattered=False, root_tokens=200, leaves=6, leaf_tokens=5,
+                block_size=8):
+    """A root of ``root_tokens`` under ``leaves`` leaves of ``leaf_tokens`` each, in a fresh
+    pool: the root's pages are consecutive, or (``scattered``) interleaved with another
+    branch's, written a few blocks at a time."""
+    alloc = PhysicalKVAllocator(2 * (root_tokens // block_size) + leaves * 4 + 8, block_size, 2,
+                                64, device=device)
+    gen = torch.Generator().manual_seed(root_tokens + scattered)
+    root = alloc.alloc_branch(0).branch_id
+    other = alloc.alloc_branch(0).branch_id
+    piece = 3 * block_size if scattered else root_tokens
+    for start in range(0, root_tokens, piece):
+        alloc.write(root, 0, *random_kv(alloc, gen, min(piece, root_tokens - start)), start=start)
+        if scattered:
+            alloc.write(other, 0, *random_kv(alloc, gen, block_size), start=alloc.length(other))
+    ids = [b.branch_id for b in alloc.alloc_branches(leaves, root_tokens, root)]
+    for leaf in ids:
+        alloc.write(leaf, 0, *random_kv(alloc, gen, leaf_tokens), start=root_tokens)
+    return alloc, ids
+
+
+@interpreter
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("separate", [False, True])
+def test_contiguous_partials_interpreted(scattered, separate):
+    """A shared root in consecutive pages runs the contiguous partial kernel (one run of
+    slots, any page size), one whose pages are scattered the paged kernel; both match the
+    reference. Final ranges (separate merge: their chunks) stay paged."""
+    alloc, ids = shared_root("cpu", scattered)
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False, separate_merge=separate)
+    check(out, q, alloc, ids)
+    partial = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
+    assert len(partial) == 1  # the root's chunks (and the final ranges' when separate)
+    assert partial[0]["CONTIGUOUS"] == (not scattered and not separate)
+    assert partial[0]["PAGE"] == 0  # 8-token pages are not compiled as a constant
+    assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["CONTIGUOUS"] == 1}
+
+
+@interpreter
+@pytest.mark.parametrize("free_root", [False, True])
+def test_contiguous_partials_survive_copy_on_write_interpreted(free_root):
+    """The plan reads the shared root as one run from its first page; a decode step then
+    copies the root's last (shared, partly filled) block into the leaves' tables (into every
+    leaf's while the root branch holds it; with the root freed, the first leaf keeps it). The
+    root's tokens stay in the original block, so the planned run still addresses them: the plan
+    stays valid and correct after refresh."""
+    alloc, ids = shared_root("cpu", root_tokens=203, leaf_tokens=0)
+    if free_root:
+        alloc.free_branch(ids[0] - 2)  # shared_root's root: two ids before the first leaf
+    q = queries(alloc, ids, 8)
+    plan = TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", target_chunk=64, flat=False)
+    assert plan.contiguous == {block_m: True for block_m in plan.arrays.items}
+    before, _ = alloc.block_tables(ids)
+    step = alloc.reserve(ids)
+    alloc.append(step, 0, *random_kv(alloc, torch.Generator().manual_seed(9), len(ids)))
+    after, _ = alloc.block_tables(ids)
+    assert (after[int(free_root):, 25] != before[int(free_root):, 25]).all()
+    assert torch.equal(after[:, :25], before[:, :25])
+    from aot.interpret import run_interpreted
+    out = poisoned_like(q)
+    plan.refresh()
+    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+    check(out, q, alloc, ids)
+
+
+def test_contiguous_cannot_be_forced():
+    alloc, ids = shared_root("cpu")
+    with pytest.raises(ValueError, match="consecutive pages"):
+        TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", contiguous=True)
+    plan = TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", flat=False,
+                             contiguous=False)
+    assert plan.contiguous == {} and all(
+        spec.key["CONTIGUOUS"] == 0 for spec, _, _ in plan._templates
+        if spec.family == "tree_partial")
+
+
 @interpreter
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("early", [False, True])
@@ -453,6 +530,22 @@ def test_gpu_second_partial_launch_waits_for_the_first():
         plan.partial_out.fill_(float("nan"))
         plan.partial_lse.fill_(float("nan"))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, leaves)
+
+
+@gpu
+@pytest.mark.parametrize("scattered", [False, True])
+def test_gpu_contiguous_partials_before_and_after_copy_on_write(scattered):
+    """A 2003-token root read as one run of slots (or, its pages scattered, paged) matches the
+    reference, and still does after a decode step copies its last block into every leaf."""
+    alloc, ids = shared_root("cuda", scattered, root_tokens=2003, leaf_tokens=0)
+    plan = TreeAttentionPlan(alloc, ids, 8, flat=False)
+    assert plan.contiguous == {block_m: not scattered for block_m in plan.arrays.items}
+    gen = torch.Generator().manual_seed(3)
+    for step in range(2):
+        q = queries(alloc, ids, 8, seed=step)
+        for _ in range(3):
+            check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
+        alloc.append(alloc.reserve(ids), 0, *random_kv(alloc, gen, len(ids)))
 
 
 @gpu

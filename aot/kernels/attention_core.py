@@ -55,7 +55,7 @@ def group_rows(tile, num_qo_heads, num_kv_heads, BLOCK_M: tl.constexpr):
 @triton.jit
 def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
            end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr):
+           BLOCK_N: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
     """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
     (``table`` is its block table row, of ``table_tokens`` tokens' pages). Returns (row max in
     base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0).
@@ -63,27 +63,39 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     Each token's K/V row is addressed through its page id, a division and a remainder by
     ``page_size`` per token: the callers' ``PAGE`` constexpr makes it a constant where the page
     size is one the build compiles for, and the divisions shifts (H100: a shared root's
-    compute-bound tiles 12-14% faster, docs/perf.md session 14)."""
+    compute-bound tiles 12-14% faster, docs/perf.md session 14). With ``CONTIGUOUS`` the
+    caller vouches that the range's slots are consecutive in the pool (its pages follow one
+    another): token ``n`` is slot ``first slot + n - start``, one page id for the whole range
+    and no per-token page arithmetic."""
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    # Each tile's page ids are loaded one iteration ahead: read in the tile's own iteration,
-    # the page table is a third dependent DRAM round trip before K and V (docs/perf.md). The
-    # first tile's are bounded by the table, not by ``end``: where ``end`` is a length loaded
-    # by the caller, both loads are in flight at once (ids past ``end`` are never used).
-    page = tl.load(table + (start + offs) // page_size, mask=start + offs < table_tokens,
-                   other=0)
+    if CONTIGUOUS:
+        first = tl.load(table + start // page_size, mask=start < table_tokens, other=0)
+        slot0 = first.to(tl.int64) * page_size + start % page_size - start
+    else:
+        # Each tile's page ids are loaded one iteration ahead: read in the tile's own
+        # iteration, the page table is a third dependent DRAM round trip before K and V
+        # (docs/perf.md). The first tile's are bounded by the table, not by ``end``: where
+        # ``end`` is a length loaded by the caller, both loads are in flight at once (ids
+        # past ``end`` are never used).
+        page = tl.load(table + (start + offs) // page_size, mask=start + offs < table_tokens,
+                       other=0)
     for n0 in tl.range(start, end, BLOCK_N):
         n = n0 + offs
         n_ok = n < end
-        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+        if CONTIGUOUS:
+            kv_rows = (slot0 + n) * num_kv_heads + kv_head
+        else:
+            kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
         kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
         k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
         v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        ahead = n + BLOCK_N
-        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        if not CONTIGUOUS:
+            ahead = n + BLOCK_N
+            page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
         s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every tile holds at least one valid key (n0 < end): no row is empty.

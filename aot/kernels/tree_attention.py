@@ -6,7 +6,9 @@ the (branch, query head) pairs below the node, so a shared range is loaded once 
 them. Row ``f`` of a node's flattened rows is branch ``order[row_ptr + f // group]``, head
 ``kv_head * group + f % group``. Each writes fp32 outputs and natural-log LSEs to partial slot
 ``entry_slot[entry0 + f // group]``: the planner numbers slots so that each branch's partials
-are contiguous.
+are contiguous. ``CONTIGUOUS``: the plan found every item of the launch in consecutive pages
+(``planner.contiguous_launches``), so each range is read as one run of slots from its first
+page (``attention_core.attend``).
 
 ``tree_final`` runs one program per (branch, query-head tile): attention over the branch's
 final range ``[final_start, seq_len)``, then the log-sum-exp merge with the branch's partial
@@ -55,7 +57,7 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
                  partial_out, partial_lse,
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks, early_final,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, PDL: tl.constexpr):
+                 PAGE: tl.constexpr, CONTIGUOUS: tl.constexpr, PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
     # early_final (the plan's choice, every plan with a final kernel): final programs walk their
@@ -84,7 +86,7 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     kv_end = tl.where(is_open, seq_len, tl.load(item + KV_END))
     m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
                            num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
-                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, CONTIGUOUS)
     if early_final == 0:  # past the walk: the final launch may take the SMs this one frees
         let_next_launch_start(PDL)
     o, lse = normalise(m_i, l_i, acc)

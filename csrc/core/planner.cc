@@ -263,6 +263,41 @@ void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<i
 
 namespace {
 
+// items_contiguous() over the tables of `rows` rows, row_table(r) pointing at row r's `stride`
+// block ids.
+template <typename RowTable>
+bool items_in_consecutive_pages(const ItemList& items, const std::vector<int32_t>& final_start, RowTable row_table,
+                                int64_t stride, int64_t block_size) {
+  int64_t rows = int64_t(final_start.size());
+  for (size_t i = 0; i < items.records.size(); i += kItemFields) {
+    const int32_t* item = items.records.data() + i;
+    int64_t row = item[kTableRow], start = item[kKvStart], end = item[kKvEnd];
+    if (item[kOpenEnd] || row < 0 || row >= rows || start < 0 || end <= start || end > final_start[row] ||
+        end > stride * block_size)
+      return false;
+    auto pages = row_table(row);
+    for (int64_t c = start / block_size; c < (end - 1) / block_size; ++c)
+      if (int64_t(pages[c + 1]) != int64_t(pages[c]) + 1) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int32_t* tables,
+                      int64_t stride, int64_t block_size) {
+  return items_in_consecutive_pages(
+      items, final_start, [&](int64_t r) { return tables + r * stride; }, stride, block_size);
+}
+
+bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int64_t* tables,
+                      const int64_t* rows, int64_t stride, int64_t block_size) {
+  return items_in_consecutive_pages(
+      items, final_start, [&](int64_t r) { return tables + rows[r] * stride; }, stride, block_size);
+}
+
+namespace {
+
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
 // own row tile, or every range in the wide one (`one_tile`).
 Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,

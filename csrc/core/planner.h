@@ -164,6 +164,23 @@ struct Plan {
 enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kFirstItems = 4 };
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets);
 
+// Whether tree_partial may read every item of `items` as one run of slots (its CONTIGUOUS
+// kernels: the item's first page id read at run time, then no page arithmetic per token; H100,
+// seed_b256/q32kv8 64.6 -> 61.7 us, docs/perf.md session 19): each item is closed, lies in its
+// table row's shared ranges, and its pages follow one another in `tables` (row r's `stride`
+// block ids from tables + r * stride; final_start.size() rows). An item outside the tables is
+// never contiguous. Shared ranges (before final_start[row]) keep their tokens where they are
+// while a plan is valid: frPlanUpdate refuses a changed block there, and the Python allocator
+// copies on write only a row's last block, whose shared tokens stay in the original (a holder
+// keeps it and writes only past them; tests/test_tree_attention.py runs a plan after such
+// copies).
+bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int32_t* tables,
+                      int64_t stride, int64_t block_size);
+// The same over int64 tables, row r's at tables + rows[r] * stride: the Python allocator's
+// table mirror, read in place (segment_tree.h).
+bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int64_t* tables,
+                      const int64_t* rows, int64_t stride, int64_t block_size);
+
 // The cost model, small pure functions.
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);

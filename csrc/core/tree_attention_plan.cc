@@ -136,7 +136,9 @@ Status TreeAttentionPlan::pick_kernels() {
   for (const ItemList& items : plan_.items) {
     int kernel = -1;
     std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
-    Status st = ctx_.pick(ctx_.page_rule_key(key, shape_.block_size), longest_item(items),
+    // check_update keeps the shared ranges' blocks: a contiguous launch stays contiguous.
+    bool contiguous = items_contiguous(items, plan_.final_start, tables_.data(), max_blocks_, shape_.block_size);
+    Status st = ctx_.pick(ctx_.page_rule_key(key, shape_.block_size, contiguous), longest_item(items),
                           items.count() * shape_.num_kv_heads, &kernel);
     if (!st.ok()) return st;
     partial_kernels_.push_back(kernel);

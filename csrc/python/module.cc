@@ -266,6 +266,25 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   return d;
 }
 
+using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+// Row i of `final_start` reads the allocator's table mirror row rows[i] (in place).
+bool items_contiguous(const Int32Array& records, const Int32Array& final_start, const Int64Array& tables,
+                      const Int64Array& rows, int64_t block_size) {
+  int64_t fields = int64_t(fr::kTreeItemFields.size());
+  require(records.ndim() == 2 && records.shape(1) == fields, "records must be [items, len(TREE_ITEM_FIELDS)]");
+  require(final_start.ndim() == 1 && rows.ndim() == 1 && rows.size() == final_start.size(),
+          "rows must be [len(final_start)]");
+  require(tables.ndim() == 2, "tables must be 2-D");
+  require(std::all_of(rows.data(), rows.data() + rows.size(), [&](int64_t r) { return r >= 0 && r < tables.shape(0); }),
+          "rows must index tables' rows");
+  require(block_size > 0, "block_size must be positive");
+  fr::ItemList items;
+  items.records.assign(records.data(), records.data() + records.size());
+  std::vector<int32_t> starts(final_start.data(), final_start.data() + final_start.size());
+  return fr::items_contiguous(items, starts, tables.data(), rows.data(), tables.shape(1), block_size);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_launcher, m) {
@@ -315,6 +334,10 @@ PYBIND11_MODULE(_launcher, m) {
         py::arg("flat") = -1, py::arg("final_lanes") = 0, py::arg("one_tile") = -1,
         py::arg("early_final") = -1,
         "The tree-attention plan of a SegmentTree (a dict of arrays).");
+  m.def("items_contiguous", &items_contiguous, py::arg("records"), py::arg("final_start"), py::arg("tables"),
+        py::arg("rows"), py::arg("block_size"),
+        "Whether tree_partial may read every item of one launch as one run of slots (csrc/core/planner.h); "
+        "branch i's block table is tables[rows[i]], read in place.");
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;
   m.attr("SEPARATE_MERGE_STEPS") = fr::kSeparateMergeSteps;

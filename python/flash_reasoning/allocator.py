@@ -257,6 +257,15 @@ class PhysicalKVAllocator:
         self._cache = (key, self._table_epoch, tables, self._length_epoch, lengths_dev)
         return tables, lengths_dev
 
+    def host_tables(self, branch_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The host's copy of every block table (int64 ``[rows, columns]``, a read-only view,
+        valid until the next call that changes a table) and each branch's row in it: what
+        planning reads in place, with no copy and no device transfer."""
+        _, rows = self._rows(branch_ids)
+        view = self._tables.view()
+        view.flags.writeable = False
+        return view, rows
+
     def segment_tree(self, branch_ids: Sequence[int]) -> SegmentTree:
         """The tree of token ranges these live branches share (see :class:`SegmentTree`).
 

@@ -25,6 +25,11 @@ COMPILED_PAGE_SIZES = (16,)
 #: The ``PAGE`` values each attention specialization is compiled with: 0 (any page size), then
 #: every compiled size.
 PAGE_KERNELS = (0, *COMPILED_PAGE_SIZES)
+#: Rule lists whose kernel is also compiled to read each range as one run of slots
+#: (``CONTIGUOUS``: ranges in consecutive pages, ``planner.contiguous_launches``; H100,
+#: seed_b256/q32kv8 64.6 -> 61.7 us, ft_1,1024/q32kv8 173.1 -> 165.3; docs/perf.md session 19).
+#: Their own rule lists (``.../contiguous``) pick the same configs; any page size.
+CONTIGUOUS_KERNELS = ("tree_partial",)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
 BLOCK_M = 16
 #: Splits (partial slots) merged per step of the merge kernels' loops.
@@ -97,17 +102,31 @@ def _any_launch(config: Config) -> Rules:
 
 
 def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
-             page_size: int = 0) -> str:
+             page_size: int = 0, contiguous: bool = False) -> str:
     """The name of a rule list, in tuning tables and the manifest: ``tree_final/float16/128``,
     ``tree_partial/float16/128/64``; the manifest also names the same rules for the kernels of
-    a compiled page size: ``tree_final/float16/128/page16``."""
+    a compiled page size, ``tree_final/float16/128/page16``, and for the contiguous kernels,
+    ``tree_partial/float16/128/64/contiguous``."""
     known = tuple(dict.fromkeys(k for k, _ in RULE_LISTS))
     if kernel not in known:
         raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {known}")
     key = f"{kernel}/{dtype}/{head_dim}"
     key = key if kernel != "tree_partial" else f"{key}/{block_m}"
+    if contiguous:
+        if kernel not in CONTIGUOUS_KERNELS:
+            raise ValueError(f"{kernel} has no contiguous kernels; those that do: "
+                             f"{CONTIGUOUS_KERNELS}")
+        return f"{key}/contiguous"
     page = compiled_page(page_size)
     return f"{key}/page{page}" if page else key
+
+
+def addressings(kernel: str) -> tuple[tuple[int, bool], ...]:
+    """(page size, contiguous) of each compiled way ``kernel``'s rule lists address K/V: the
+    page kernels (:data:`PAGE_KERNELS`), then, for :data:`CONTIGUOUS_KERNELS`, one run of
+    slots (page size 0: any)."""
+    pages = tuple((page, False) for page in PAGE_KERNELS)
+    return pages + ((0, True),) if kernel in CONTIGUOUS_KERNELS else pages
 
 
 def compiled_page(page_size: int) -> int:
@@ -246,7 +265,10 @@ def append_spec() -> Spec:
 
 @functools.lru_cache(maxsize=None)
 def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
-                      config: Config | None = None, page_size: int = 0) -> Spec:
+                      config: Config | None = None, page_size: int = 0,
+                      contiguous: bool = False) -> Spec:
+    """``contiguous``: the kernel that reads each item's range as one run of slots (the
+    launch's ranges lie in consecutive pages), for any page size."""
     check_dtype(dtype)
     check_head_dim(head_dim)
     if block_m not in TREE_BLOCK_MS:
@@ -254,7 +276,8 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
     block_n, warps, stages = config or config_for("tree_partial", dtype, head_dim, arch,
                                                   block_m=block_m)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                     BLOCK_N=block_n, PAGE=compiled_page(page_size), PDL=grid_dependency(arch))
+                     BLOCK_N=block_n, PAGE=0 if contiguous else compiled_page(page_size),
+                     CONTIGUOUS=int(contiguous), PDL=grid_dependency(arch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,10 +295,14 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
-                block_m: int | None = None, page_size: int = 0) -> Spec:
-    """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``."""
+                block_m: int | None = None, page_size: int = 0,
+                contiguous: bool = False) -> Spec:
+    """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``, for one of its
+    :func:`addressings`."""
+    if contiguous and kernel not in CONTIGUOUS_KERNELS:
+        raise ValueError(f"{kernel} has no contiguous kernels")
     if kernel == "tree_partial":
-        return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size)
+        return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, contiguous)
     if kernel in (tree_final_kernel(False), tree_final_kernel(True)):
         return tree_final_spec(dtype, head_dim, arch, config, kernel == tree_final_kernel(True),
                                page_size)
@@ -296,13 +323,14 @@ def rule_kernel(spec: Spec) -> str:
 
 def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:
     """Every rule list of one dtype and head_dim, by key, its configs replaced by their
-    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``; the lists of each compiled page
-    size pick the same configs."""
-    return {rule_key(kernel, dtype, head_dim, block_m, page_size):
+    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``; the lists of each of a kernel's
+    :func:`addressings` pick the same configs."""
+    return {rule_key(kernel, dtype, head_dim, block_m, page_size, contiguous):
             [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m,
-                                         page_size))
+                                         page_size, contiguous))
              for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
-            for kernel, block_m in RULE_LISTS for page_size in PAGE_KERNELS}
+            for kernel, block_m in RULE_LISTS
+            for page_size, contiguous in addressings(kernel)}
 
 
 def required_specs(arch: str) -> list[Spec]:

@@ -127,6 +127,19 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
     return PlanArrays(**raw, stats=stats)
 
 
+def contiguous_launches(arrays: PlanArrays, tables: np.ndarray, rows: np.ndarray,
+                        block_size: int) -> dict[int, bool]:
+    """Per row tile of ``arrays.items``: whether its partial launch may read every item as one
+    run of slots (the contiguous ``tree_partial`` kernels): each item closed, inside its row's
+    shared ranges (blocks that stay put while the plan is valid) and on consecutive pages.
+    Branch ``i``'s block table is ``tables[rows[i]]`` (int64, host memory, read in place:
+    ``PhysicalKVAllocator.host_tables``). The C ABI decides the same way
+    (``csrc/core/planner.h``, ``items_contiguous``)."""
+    return {block_m: _launcher.items_contiguous(records, arrays.final_start, tables, rows,
+                                                block_size)
+            for block_m, records in arrays.items.items()}
+
+
 def _tristate(choice: bool | None) -> int:
     """The C++ options' encoding: -1 for the cost model's choice, else 0 or 1."""
     return -1 if choice is None else int(choice)

@@ -170,9 +170,10 @@ class Tuner:
             kernel = dispatch.rule_kernel(launch.spec)
             block_m = dict(launch.spec.constexprs)["BLOCK_M"] if kernel == "tree_partial" else None
             key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
-            page = dict(launch.spec.constexprs)["PAGE"]
+            keys = dict(launch.spec.constexprs)
+            page, contiguous = keys["PAGE"], bool(keys.get("CONTIGUOUS", 0))
             runs = {config: [replace(launch, spec=dispatch.kernel_spec(
-                kernel, dtype, head_dim, self.arch, config, block_m, page))]
+                kernel, dtype, head_dim, self.arch, config, block_m, page, contiguous))]
                 for config in self.candidates(key)}
             self._sample(key, name, max_tokens, math.prod(launch.grid), runs)
 

@@ -46,7 +46,10 @@ class TreeAttentionPlan:
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
     ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` force the
-    planner's choices (``flash_reasoning.planner``), for tuning and tests.
+    planner's choices (``flash_reasoning.planner``), for tuning and tests. The attribute
+    ``contiguous`` holds, per row tile, whether its partial launch reads each range as one run
+    of slots (its ranges lie in consecutive pages: ``planner.contiguous_launches``);
+    ``contiguous=False`` keeps every partial launch on the paged kernels, for comparisons.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
@@ -54,7 +57,8 @@ class TreeAttentionPlan:
                  target_chunk: int | None = None, num_sms: int | None = None,
                  arch: str | None = None, separate_merge: bool | None = None,
                  flat: bool | None = None, final_lanes: int | None = None,
-                 one_tile: bool | None = None, early_final: bool | None = None) -> None:
+                 one_tile: bool | None = None, early_final: bool | None = None,
+                 contiguous: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -68,6 +72,9 @@ class TreeAttentionPlan:
         for name, value in (("target_chunk", target_chunk), ("num_sms", num_sms)):
             if value is not None:
                 as_int(name, value, low=1)
+        if contiguous is not None and contiguous is not False:
+            raise ValueError(f"contiguous must be None (where the pages allow) or False (never): "
+                             f"only consecutive pages may be read as one run, got {contiguous!r}")
         tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
         self.branch_ids = tree.branch_ids
         self.tree_version = allocator.tree_version
@@ -80,6 +87,8 @@ class TreeAttentionPlan:
                                    flat=flat, final_lanes=final_lanes, one_tile=one_tile,
                                    early_final=early_final)
         self._upload_work_lists(device)
+        self.contiguous = {} if contiguous is False else planner.contiguous_launches(
+            self.arrays, *allocator.host_tables(self.branch_ids), allocator.block_size)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(self.arrays.num_entries, self.num_qo_heads,
@@ -176,7 +185,7 @@ class TreeAttentionPlan:
         templates = [
             (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
                 "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m),
-                self.allocator.block_size),
+                self.allocator.block_size, self.contiguous.get(block_m, False)),
              (records.shape[0], kv_heads, 1),
              paged + (self._order, items, self._entry_slot, self.partial_out,
                       self.partial_lse) + scalars + (int(self.arrays.early_final),))
