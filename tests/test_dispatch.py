@@ -126,6 +126,19 @@ def test_every_config_a_call_can_pick_is_required(arch):
             assert dispatch.merge_spec(dtype, head_dim) in required
 
 
+def assert_mirrored_rule_lists(rules, suffix, mark, generic_mark, lists_per_variant):
+    """The manifest's rule lists ending in ``suffix`` (``lists_per_variant`` per dtype and
+    head_dim) pick the configs of the lists without it: the same bounds, kernels named alike
+    but for ``mark`` in place of ``generic_mark``."""
+    keys = [key for key in rules if key.endswith(suffix)]
+    assert len(keys) == lists_per_variant * len(DTYPES) * len(dispatch.HEAD_DIMS)
+    for key in keys:
+        generic = rules[key.removesuffix(suffix)]
+        assert [r[:2] for r in rules[key]] == [r[:2] for r in generic], key
+        assert [r[2].replace(mark, generic_mark) for r in rules[key]] == \
+            [r[2] for r in generic], key
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_compiled_page_size_has_its_own_kernels_with_the_same_configs(arch):
     """Pools of a compiled page size get kernels with it as a constant, every other size the
@@ -136,14 +149,8 @@ def test_a_compiled_page_size_has_its_own_kernels_with_the_same_configs(arch):
     assert dispatch.rule_key("tree_partial", "float16", 128, 64, 16) == \
         "tree_partial/float16/128/64/page16"
     assert dispatch.rule_key("paged_decode", "float16", 128, None, 8) == "paged_decode/float16/128"
-    rules = dispatch.dispatch_rules(arch)["rules"]
-    paged = [key for key in rules if key.endswith("/page16")]
-    assert len(paged) == len(dispatch.RULE_LISTS) * len(DTYPES) * len(dispatch.HEAD_DIMS)
-    for key in paged:
-        generic = rules[key.removesuffix("/page16")]
-        assert [r[:2] for r in rules[key]] == [r[:2] for r in generic], key
-        assert [r[2].replace("_page16_", "_page0_") for r in rules[key]] == \
-            [r[2] for r in generic], key
+    assert_mirrored_rule_lists(dispatch.dispatch_rules(arch)["rules"], "/page16", "_page16_",
+                               "_page0_", len(dispatch.RULE_LISTS))
     assert dispatch.decode_spec("float16", 64, False, arch, None, 16).key["PAGE"] == 16
     assert dispatch.tree_final_spec("float16", 64, arch, None, True, 7).key["PAGE"] == 0
 
@@ -160,14 +167,8 @@ def test_contiguous_partial_kernels_have_their_own_rules_with_the_same_configs(a
         dispatch.rule_key("tree_final", "float16", 128, None, 0, True)
     with pytest.raises(ValueError, match="no contiguous kernels"):
         dispatch.kernel_spec("paged_decode", "float16", 128, arch, (64, 4, 2), None, 0, True)
-    rules = dispatch.dispatch_rules(arch)["rules"]
-    runs = [key for key in rules if key.endswith("/contiguous")]
-    assert len(runs) == len(dispatch.TREE_BLOCK_MS) * len(DTYPES) * len(dispatch.HEAD_DIMS)
-    for key in runs:
-        generic = rules[key.removesuffix("/contiguous")]
-        assert [r[:2] for r in rules[key]] == [r[:2] for r in generic], key
-        assert [r[2].replace("_contiguous1_", "_contiguous0_") for r in rules[key]] == \
-            [r[2] for r in generic], key
+    assert_mirrored_rule_lists(dispatch.dispatch_rules(arch)["rules"], "/contiguous",
+                               "_contiguous1_", "_contiguous0_", len(dispatch.TREE_BLOCK_MS))
     spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, contiguous=True)
     assert spec.key["CONTIGUOUS"] == 1 and spec.key["PAGE"] == 0
 
