@@ -68,7 +68,7 @@ Status Context::require_device(const char* what) const {
                        std::string(what) + " needs a GPU: this context was created host-only (for planning)");
 }
 
-std::string Context::page_rule_key(const std::string& rule_key, int64_t block_size, bool contiguous) const {
+std::string Context::addressing_rule_key(const std::string& rule_key, int64_t block_size, bool contiguous) const {
   std::string run = rule_key + "/contiguous";
   if (contiguous && rules().rules.count(run)) return run;
   std::string paged = rule_key + "/page" + std::to_string(block_size);

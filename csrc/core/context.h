@@ -50,7 +50,7 @@ class Context {
   // manifest compiles that page size as a constant, else `rule_key` (the page size at run time);
   // with `contiguous` (a launch whose ranges lie in consecutive pages: planner.h's
   // items_contiguous), "<rule_key>/contiguous" where the manifest has it.
-  std::string page_rule_key(const std::string& rule_key, int64_t block_size, bool contiguous = false) const;
+  std::string addressing_rule_key(const std::string& rule_key, int64_t block_size, bool contiguous = false) const;
   const KernelInfo& kernel(int index) const { return launcher_->manifest().kernels[index]; }
   // after_own_launch: the previous launch on `stream` was the library's (Launcher::launch).
   Status launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,

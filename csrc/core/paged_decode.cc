@@ -73,7 +73,7 @@ Status paged_decode(Context& ctx, const AttentionShape& s, const PagedDecodeArgs
   int kernel = -1;
   std::string family = split.splits > 1 ? "paged_decode_split/" : "paged_decode/";
   int64_t programs = a.num_seqs * split.tiles * split.splits;
-  if (!(st = ctx.pick(ctx.page_rule_key(family + s.rule_suffix(), s.block_size), per_split, programs, &kernel)).ok())
+  if (!(st = ctx.pick(ctx.addressing_rule_key(family + s.rule_suffix(), s.block_size), per_split, programs, &kernel)).ok())
     return st;
   int64_t block_n = ctx.kernel(kernel).constexprs.at("BLOCK_N");
   int64_t tokens_per_split = std::max(ceil_div(per_split, block_n) * block_n, block_n);

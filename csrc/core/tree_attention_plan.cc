@@ -138,7 +138,7 @@ Status TreeAttentionPlan::pick_kernels() {
     std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
     // check_update keeps the shared ranges' blocks: a contiguous launch stays contiguous.
     bool contiguous = items_contiguous(items, plan_.final_start, tables_.data(), max_blocks_, shape_.block_size);
-    Status st = ctx_.pick(ctx_.page_rule_key(key, shape_.block_size, contiguous), longest_item(items),
+    Status st = ctx_.pick(ctx_.addressing_rule_key(key, shape_.block_size, contiguous), longest_item(items),
                           items.count() * shape_.num_kv_heads, &kernel);
     if (!st.ok()) return st;
     partial_kernels_.push_back(kernel);
@@ -155,7 +155,7 @@ Status TreeAttentionPlan::pick_final_kernel() {
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
   const char* kernel = plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
-  return ctx_.pick(ctx_.page_rule_key(kernel + shape_.rule_suffix(), shape_.block_size), longest * plan_.final_lanes,
+  return ctx_.pick(ctx_.addressing_rule_key(kernel + shape_.rule_suffix(), shape_.block_size), longest * plan_.final_lanes,
                    final_programs() * plan_shape_.final_tiles(), &last_kernel_);
 }
 

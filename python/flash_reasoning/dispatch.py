@@ -113,12 +113,16 @@ def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
     key = f"{kernel}/{dtype}/{head_dim}"
     key = key if kernel != "tree_partial" else f"{key}/{block_m}"
     if contiguous:
-        if kernel not in CONTIGUOUS_KERNELS:
-            raise ValueError(f"{kernel} has no contiguous kernels; those that do: "
-                             f"{CONTIGUOUS_KERNELS}")
+        _check_contiguous(kernel)
         return f"{key}/contiguous"
     page = compiled_page(page_size)
     return f"{key}/page{page}" if page else key
+
+
+def _check_contiguous(kernel: str) -> None:
+    if kernel not in CONTIGUOUS_KERNELS:
+        raise ValueError(f"{kernel} has no contiguous kernels; those that do: "
+                         f"{CONTIGUOUS_KERNELS}")
 
 
 def addressings(kernel: str) -> tuple[tuple[int, bool], ...]:
@@ -299,8 +303,8 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
                 contiguous: bool = False) -> Spec:
     """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``, for one of its
     :func:`addressings`."""
-    if contiguous and kernel not in CONTIGUOUS_KERNELS:
-        raise ValueError(f"{kernel} has no contiguous kernels")
+    if contiguous:
+        _check_contiguous(kernel)
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, contiguous)
     if kernel in (tree_final_kernel(False), tree_final_kernel(True)):

@@ -168,9 +168,9 @@ class Tuner:
         # no length of its own: zip stops before it.
         for launch, max_tokens in zip(launches, plan.launch_max_tokens):
             kernel = dispatch.rule_kernel(launch.spec)
-            block_m = dict(launch.spec.constexprs)["BLOCK_M"] if kernel == "tree_partial" else None
+            keys = launch.spec.key
+            block_m = keys["BLOCK_M"] if kernel == "tree_partial" else None
             key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
-            keys = dict(launch.spec.constexprs)
             page, contiguous = keys["PAGE"], bool(keys.get("CONTIGUOUS", 0))
             runs = {config: [replace(launch, spec=dispatch.kernel_spec(
                 kernel, dtype, head_dim, self.arch, config, block_m, page, contiguous))]
