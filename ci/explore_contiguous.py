@@ -2,8 +2,8 @@
 whose items lie in consecutive pages of the pool (``planner.contiguous_launches``) runs the
 contiguous ``tree_partial`` kernels: token ``n`` is slot ``first slot + n - start``, one page
 id per item and no page arithmetic per token. The cases' trees are written into a fresh pool,
-so each node's pages are consecutive, except where a node starts inside a block (its first
-page is a copy made at the fork). Each case's plan as shipped (AOT) against the same plan on
+so each node's pages are consecutive; an item folded over several nodes crosses from one
+node's pages to the next's and stays paged. Each case's plan as shipped (AOT) against the same plan on
 the paged kernels (``contiguous=False``: what a pool whose pages are not consecutive runs),
 interleaved, outputs checked against each other. Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_contiguous.py [CASE...]"""

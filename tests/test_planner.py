@@ -255,6 +255,27 @@ def test_final_starts_early_where_the_plan_has_a_final_kernel(name, early):
         assert again.early_final == (forced and bool(again.items))
 
 
+@pytest.mark.parametrize("name, ratio", [
+    ("seed_b256/q32kv8", 2),
+    ("seed_b256/q16kv1", 2),
+    ("seed_b16/q32kv8", 1),       # the shortest chunk (kMinChunkTokens) either way
+    ("ft_1,16,64/q32kv32", 1),    # 17 computed nodes
+    ("ft_1,4,16,512/q16kv1", 1),  # 16
+])
+def test_a_lone_root_before_a_final_launch_takes_one_program_per_sm(name, ratio):
+    """A lone computed node under a final kernel is cut for kLoneRootWaves (1) program per SM,
+    which leaves room for final programs beside it; merged separately (no final launch), or
+    among other computed nodes, for kWaves (2): its chunks ``ratio`` times as long."""
+    case = next(c for c in load_cases()["cases"] if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    heads = case["num_qo_heads"]
+    final = plan_for(alloc, leaves, heads, separate_merge=False)[1]
+    separate = plan_for(alloc, leaves, heads, separate_merge=True)[1]
+    assert abs(final.stats["chunk_tokens"] - ratio * separate.stats["chunk_tokens"]) <= 1
+    if ratio == 2:
+        assert sum(final.stats["partial_programs"].values()) <= H100["num_sms"]
+
+
 def test_lanes_do_not_apply_to_separate_merges():
     alloc = PhysicalKVAllocator(600, 16, 8, 64, device="cpu")
     ids = [alloc.alloc_branch(100).branch_id for _ in range(256)]

@@ -20,16 +20,16 @@ int64_t tile_rows(int64_t flat_rows, const PlanShape& shape) {
   return flat_rows <= shape.block_ms[0] ? shape.block_ms[0] : shape.block_ms[1];
 }
 
-// Tokens per program that spread the partial launch over kWaves programs per SM. With computed
+// Tokens per program that spread the partial launch over `waves` programs per SM. With computed
 // nodes, their work alone: the final kernel runs after them, so they must fill the GPU by
 // themselves (H200, seed_b256: the root in two chunks 81.7 us, whole 90.9). Without, all the
 // ranges' work (their chunks are the partial launch).
 int64_t chunk_tokens(const std::vector<int64_t>& programs, const std::vector<int64_t>& lengths,
-                     int64_t num_computed, const PlanShape& shape, int64_t min_tokens) {
+                     int64_t num_computed, const PlanShape& shape, int64_t min_tokens, int64_t waves) {
   size_t counted = num_computed ? size_t(num_computed) : programs.size();
   int64_t work = 0;
   for (size_t r = 0; r < counted; ++r) work += programs[r] * lengths[r];
-  return std::max(min_tokens, ceil_div(work, kWaves * shape.num_sms));
+  return std::max(min_tokens, ceil_div(work, waves * shape.num_sms));
 }
 
 // Each range's chunk length and number of pieces at `target` tokens per chunk.
@@ -242,6 +242,10 @@ int64_t final_lanes(int64_t rows, const PlanShape& shape) {
 
 bool final_starts_early(bool separate_merge) { return !separate_merge; }
 
+int64_t partial_waves(int64_t num_computed, bool separate_merge) {
+  return num_computed == 1 && !separate_merge ? kLoneRootWaves : kWaves;
+}
+
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
   double total = last_launch_us(plan, tree, shape);
   for (const ItemList& list : plan.items) total += partial_launch_us(list, tree, shape);
@@ -314,17 +318,21 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
     programs[k] = ceil_div(r.rows[k] * shape.group(), block_m[k]) * shape.num_kv_heads;
   }
   Plan p;
-  p.chunk_tokens = options.target_chunk ? options.target_chunk
-                                         : chunk_tokens(programs, length, r.num_computed, shape, kMinChunkTokens);
+  p.chunk_tokens = options.target_chunk
+                      ? options.target_chunk
+                      : chunk_tokens(programs, length, r.num_computed, shape, kMinChunkTokens, kWaves);
   p.computed_nodes = r.num_computed;
   std::vector<int64_t> step, pieces;
   cut_ranges(length, p.chunk_tokens, &step, &pieces);
   p.separate_merge = options.separate_merge >= 0 ? options.separate_merge != 0
                                                  : merge_separately(longest_final_walk(tree, r, step, pieces),
                                                                     separate_merge_adds_launch(r, block_m, pieces));
-  // Unshared branches merged separately: their chunks are all the work, and cheap to merge.
-  if (p.separate_merge && !r.num_computed && !options.target_chunk) {
-    p.chunk_tokens = chunk_tokens(programs, length, 0, shape, kMinSeparateChunkTokens);
+  if (!options.target_chunk) {  // the chunks again, now that the merge mode is known
+    // Unshared branches merged separately: their chunks are all the work, and cheap to merge.
+    bool unshared = p.separate_merge && !r.num_computed;
+    p.chunk_tokens = chunk_tokens(programs, length, r.num_computed, shape,
+                                  unshared ? kMinSeparateChunkTokens : kMinChunkTokens,
+                                  partial_waves(r.num_computed, p.separate_merge));
     cut_ranges(length, p.chunk_tokens, &step, &pieces);
   }
   std::vector<int64_t> chunk_block_m;

@@ -49,8 +49,13 @@ constexpr double kRereadWeight = 0.5;
 // 2112-token branch: 17.5 us in 256-token chunks, 15.4 in 128; docs/perf.md session 9).
 constexpr int64_t kMinChunkTokens = 256;
 constexpr int64_t kMinSeparateChunkTokens = 128;
-// Programs per SM the chunking aims for.
+// Programs per SM the chunking aims for: kWaves, but kLoneRootWaves for a lone computed node
+// before a final launch (partial_waves()). Two root programs (64 rows, ~26K registers and
+// 112 KB of shared memory each) fill an SM; one leaves room for two final programs, which the
+// early start lets walk the leaves beside it (H100, docs/perf.md session 20: seed_b64/q32kv8
+// 31.2 -> 23.9 us, seed_b256/q32kv32 128.4 -> 118.7; trees of several computed nodes lose).
 constexpr int64_t kWaves = 2;
+constexpr int64_t kLoneRootWaves = 1;
 // Chunk boundaries fall on multiples of the kernels' KV tile.
 constexpr int64_t kChunkAlign = 64;
 // Serial steps (KV tiles of kChunkAlign tokens + partials) of a final-kernel program from which
@@ -185,6 +190,7 @@ bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_s
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
+int64_t partial_waves(int64_t num_computed, bool separate_merge);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
 int64_t final_lanes(int64_t rows, const PlanShape& shape);
 bool final_starts_early(bool separate_merge);
