@@ -9,20 +9,17 @@ interleaved, outputs checked against each other. Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_contiguous.py [CASE...]"""
 import sys
 
-import torch
-
 from flash_reasoning import TreeAttentionPlan, bench
 
 sys.path.insert(0, "ci")
-from explore_overlap import poisoned_run  # noqa: E402
+from explore_overlap import case_queries, time_plans  # noqa: E402
 
 RUNS = 40
 
 
 def explore(name, case):
-    alloc, leaves = bench.case_allocator(case)
+    alloc, leaves, q = case_queries(case)
     heads = case["num_qo_heads"]
-    q = torch.randn(len(leaves), heads, alloc.head_dim, device="cuda").to(alloc.dtype)
     plan = TreeAttentionPlan(alloc, leaves, heads)
     paged = TreeAttentionPlan(alloc, leaves, heads, contiguous=False)
     kinds = "+".join(spec.family.removeprefix("tree_") + ("(c)" if spec.key.get("CONTIGUOUS")
@@ -31,10 +28,7 @@ def explore(name, case):
     if not any(plan.contiguous.values()):
         print(f"{name:24} {kinds:28} no contiguous partial launch", flush=True)
         return
-    out = torch.empty_like(q)
-    fns = {"contiguous": lambda: plan.run(q, 0, out), "paged": lambda: paged.run(q, 0, out)}
-    times = bench.check_and_time(name, fns, lambda fn: poisoned_run([plan, paged], fn, out),
-                                 RUNS)
+    times = time_plans(name, {"contiguous": plan, "paged": paged}, q, RUNS)
     print(f"{name:24} {kinds:28} " + " ".join(f"{k} {t:6.1f}" for k, t in times.items()),
           flush=True)
 

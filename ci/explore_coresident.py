@@ -21,6 +21,9 @@ from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench, runtime, timing
 from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 
+sys.path.insert(0, "ci")
+from explore_overlap import case_queries  # noqa: E402
+
 RUNS = 30
 CASES = ("seed_b256/q32kv8", "seed_b128/q32kv8", "ft_1,256/q32kv8", "ft_1,1024/q32kv8")
 WIDE = 128
@@ -59,10 +62,9 @@ def two_streams(first, second, side):
 
 
 def explore(name, case):
-    alloc, leaves = bench.case_allocator(case)
+    alloc, leaves, q = case_queries(case)
     heads = case["num_qo_heads"]
     group = heads // alloc.num_kv_heads
-    q = torch.randn(len(leaves), heads, alloc.head_dim, device="cuda").to(alloc.dtype)
     out = torch.empty_like(q)
     plan = TreeAttentionPlan(alloc, leaves, heads)
     launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)

@@ -48,6 +48,23 @@ def jit_runs(launches, module, pdl):
     return lambda: [r() for r in runs]
 
 
+def case_queries(case):
+    """A case's pool (on the GPU), its leaves and random queries in the pool's dtype: what each
+    explore of whole plans starts from."""
+    alloc, leaves = bench.case_allocator(case)
+    q = torch.randn(len(leaves), case["num_qo_heads"], alloc.head_dim, device="cuda")
+    return alloc, leaves, q.to(alloc.dtype)
+
+
+def time_plans(name, plans, q, runs):
+    """Each of ``plans`` (by key) run on ``q``, checked against the first, then timed
+    interleaved (``bench.check_and_time``): us by key."""
+    out = torch.empty_like(q)
+    fns = {key: (lambda p=p: p.run(q, 0, out)) for key, p in plans.items()}
+    return bench.check_and_time(name, fns, lambda fn: poisoned_run(plans.values(), fn, out),
+                                runs)
+
+
 def poisoned_run(plans, fn, out):
     for plan in plans:
         plan.partial_out.fill_(float("nan"))
@@ -59,9 +76,7 @@ def poisoned_run(plans, fn, out):
 
 
 def explore(name, case):
-    alloc, leaves = bench.case_allocator(case)
-    q = torch.randn(len(leaves), case["num_qo_heads"], case["head_dim"], device="cuda")
-    q = q.to(alloc.dtype)
+    alloc, leaves, q = case_queries(case)
     plans = {early: TreeAttentionPlan(alloc, leaves, case["num_qo_heads"], early_final=early)
              for early in (None, False, True)}
     out = torch.empty_like(q)

@@ -8,20 +8,15 @@ and at 2x and 4x its chunk length (where that changes the plan), interleaved, ou
 against each other. Run on a GPU: PYTHONPATH=.:python python3 ci/explore_waves.py [CASE...]"""
 import sys
 
-import torch
-
 from flash_reasoning import TreeAttentionPlan, bench
 
 sys.path.insert(0, "ci")
-from explore_overlap import poisoned_run  # noqa: E402
-
-RUNS = 40
+from explore_overlap import case_queries, time_plans  # noqa: E402
 
 
-def explore(name, case):
-    alloc, leaves = bench.case_allocator(case)
+def explore(name, case, runs=40):
+    alloc, leaves, q = case_queries(case)
     heads = case["num_qo_heads"]
-    q = torch.randn(len(leaves), heads, alloc.head_dim, device="cuda").to(alloc.dtype)
     plan = TreeAttentionPlan(alloc, leaves, heads)
     stats = plan.arrays.stats
     if plan.arrays.separate_merge or not stats["computed_nodes"]:
@@ -37,10 +32,7 @@ def explore(name, case):
     if len(plans) == 1:
         print(f"{name:24} chunk {chunk}: unchunked already", flush=True)
         return
-    out = torch.empty_like(q)
-    fns = {key: (lambda p=p: p.run(q, 0, out)) for key, p in plans.items()}
-    times = bench.check_and_time(name, fns, lambda fn: poisoned_run(plans.values(), fn, out),
-                                 RUNS)
+    times = time_plans(name, plans, q, runs)
     print(f"{name:24} " + "  ".join(
         f"{key} {plans[key].arrays.stats['partial_programs']}: {us:6.1f}"
         for key, us in times.items()), flush=True)
