@@ -22,7 +22,7 @@ from flash_reasoning import TreeAttentionPlan, bench, runtime, timing
 from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 
 sys.path.insert(0, "ci")
-from explore_overlap import case_queries  # noqa: E402
+from explore_overlap import case_queries, report, try_compile  # noqa: E402
 
 RUNS = 30
 CASES = ("seed_b256/q32kv8", "seed_b128/q32kv8", "ft_1,256/q32kv8", "ft_1,1024/q32kv8")
@@ -102,26 +102,17 @@ def explore(name, case):
                 num_warps=warps, num_stages=stages, **options)
         for s in slots:
             s.fill_(float("nan"))
-        try:
-            compiled = root()
-        except Exception as error:  # a config the compiler refuses: say so, go on
-            info.append(f"{key}: fail ({type(error).__name__})")
+        if not try_compile(key, root, info):
             continue
         torch.cuda.synchronize()
         wrong = sum(int((~torch.isclose(s, e, rtol=2e-3, atol=2e-3)).sum())
                     for s, e in zip(slots, expected))
-        info.append(f"{key}: {compiled.n_regs} regs, {compiled.n_spills} spills, "
-                    f"{compiled.metadata.shared // 1024} KB smem, {wrong} wrong")
+        info[-1] += f", {wrong} wrong"
         fns[key] = root
         fns[key + " ; final"] = lambda root=root: (root(), fns["final"]())
         fns[key + " | final"] = two_streams(root, fns["final"], side)
-    times = timing.median_us_each(fns, RUNS)
-    print(f"{name} ({records.shape[0]} items of {block_m} rows -> {wide_items.shape[0]} of "
-          f"{WIDE}; final grid {final.grid})", flush=True)
-    for line in info:
-        print("   ", line, flush=True)
-    for key, us in times.items():
-        print(f"    {key:28} {us:7.1f}", flush=True)
+    report(f"{name} ({records.shape[0]} items of {block_m} rows -> {wide_items.shape[0]} of "
+           f"{WIDE}; final grid {final.grid})", info, timing.median_us_each(fns, RUNS))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,28 @@ def time_plans(name, plans, q, runs):
                                 runs)
 
 
+def try_compile(key, run, info):
+    """``run()``, a JIT launch, once: its registers, spills and shared memory appended to
+    ``info`` under ``key``, or why the compiler refused it. Returns whether it compiled."""
+    try:
+        compiled = run()
+    except Exception as error:  # a config the compiler refuses: say so, go on
+        info.append(f"{key}: fail ({type(error).__name__})")
+        return False
+    info.append(f"{key}: {compiled.n_regs} regs, {compiled.n_spills} spills, "
+                f"{compiled.metadata.shared // 1024} KB smem")
+    return True
+
+
+def report(title, info, times):
+    """A case's title line, its variants' compile notes, then their times (us)."""
+    print(title, flush=True)
+    for line in info:
+        print("   ", line, flush=True)
+    for key, us in times.items():
+        print(f"    {key:30} {us:7.1f}", flush=True)
+
+
 def poisoned_run(plans, fn, out):
     for plan in plans:
         plan.partial_out.fill_(float("nan"))

@@ -4,8 +4,10 @@ programs per SM (csrc/core/planner.h). A root program (64 rows, 4 warps) holds ~
 registers and 112 KB of shared memory: two per SM leave no room for a final program (2 warps x
 240 registers, 39 KB), one leaves room for two, and the final launch, started early, walks
 the leaves beside the root. Each plan with computed nodes and a final kernel timed as planned
-and at 2x and 4x its chunk length (where that changes the plan), interleaved, outputs checked
-against each other. Run on a GPU: PYTHONPATH=.:python python3 ci/explore_waves.py [CASE...]"""
+and at 2x and 4x its chunk length (where that changes the plan), and, at each chunk length,
+merged separately (the leaves' chunks a narrow partial launch beside the root's, which no
+final program waits in), interleaved, outputs checked against each other. Run on a GPU:
+PYTHONPATH=.:python python3 ci/explore_waves.py [CASE...]"""
 import sys
 
 from flash_reasoning import TreeAttentionPlan, bench
@@ -29,9 +31,10 @@ def explore(name, case, runs=40):
         programs = other.arrays.stats["partial_programs"]
         if programs != plans[next(reversed(plans))].arrays.stats["partial_programs"]:
             plans[f"chunk {chunk * factor}"] = other
-    if len(plans) == 1:
-        print(f"{name:24} chunk {chunk}: unchunked already", flush=True)
-        return
+    for key in list(plans):
+        plans[key + " sep"] = TreeAttentionPlan(alloc, leaves, heads, separate_merge=True,
+                                                target_chunk=plans[key].arrays.stats[
+                                                    "chunk_tokens"])
     times = time_plans(name, plans, q, runs)
     print(f"{name:24} " + "  ".join(
         f"{key} {plans[key].arrays.stats['partial_programs']}: {us:6.1f}"
