@@ -327,13 +327,16 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   p.separate_merge = options.separate_merge >= 0 ? options.separate_merge != 0
                                                  : merge_separately(longest_final_walk(tree, r, step, pieces),
                                                                     separate_merge_adds_launch(r, block_m, pieces));
-  if (!options.target_chunk) {  // the chunks again, now that the merge mode is known
+  if (!options.target_chunk) {  // the chunk length the merge mode asks for, now it is known
     // Unshared branches merged separately: their chunks are all the work, and cheap to merge.
     bool unshared = p.separate_merge && !r.num_computed;
-    p.chunk_tokens = chunk_tokens(programs, length, r.num_computed, shape,
+    int64_t tokens = chunk_tokens(programs, length, r.num_computed, shape,
                                   unshared ? kMinSeparateChunkTokens : kMinChunkTokens,
                                   partial_waves(r.num_computed, p.separate_merge));
-    cut_ranges(length, p.chunk_tokens, &step, &pieces);
+    if (tokens != p.chunk_tokens) {
+      p.chunk_tokens = tokens;
+      cut_ranges(length, p.chunk_tokens, &step, &pieces);
+    }
   }
   std::vector<int64_t> chunk_block_m;
   for (size_t k = 0; k < num_ranges; ++k) {
