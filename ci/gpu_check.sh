@@ -70,6 +70,7 @@ explore contiguous "shared ranges read as one run of slots"
 explore coresident "final programs beside a one-program-per-SM root"
 explore waves "partial launches of one program per SM"
 explore wide_lanes "final programs of 8 and 16 lanes after a one-per-SM root"
+explore resident "leaves as persistent partial programs beside a resident root"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1

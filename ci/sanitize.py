@@ -2,7 +2,8 @@
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
 copies of copy-on-write, tree_partial (both tiles, closed and open items), tree_final (one
-branch per program and packed) and tree_merge (plans of both merge modes), paged_decode unsplit and split, merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
+branch per program and packed) and tree_merge (plans of both merge modes), paged_decode unsplit
+and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
 
@@ -110,6 +111,7 @@ class Checker:
         self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
         self.contiguous: set[int] = set()  # ... on the kernels that read one run of slots
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
+        self.decode_plans = 0  # plans with no partials: one paged_decode launch
 
     def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         if out.is_cuda:
@@ -139,7 +141,9 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
                                  separate_merge=merge, final_lanes=lane)
         check.tiles.update(plan.arrays.items)
         check.contiguous.update(tile for tile, run in plan.contiguous.items() if run)
-        if not plan.arrays.separate_merge:
+        if plan.arrays.decode:
+            check.decode_plans += 1
+        elif not plan.arrays.separate_merge:
             check.lanes.add(plan.arrays.final_lanes)
         for layer in range(alloc.num_layers):
             out = plan.run(q, layer, torch.full_like(q, float("nan")))
@@ -176,7 +180,8 @@ def main() -> int:
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
           f"tiles run: {sorted(check.tiles)} (contiguous: {sorted(check.contiguous)}); "
-          f"tree_final lanes run: {sorted(check.lanes)}",
+          f"tree_final lanes run: {sorted(check.lanes)}; plans run as a paged decode: "
+          f"{check.decode_plans}",
           flush=True)
     return 1 if check.failures else 0
 

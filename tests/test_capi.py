@@ -552,6 +552,12 @@ def long_branches_tree(dtype, head_dim, device="cuda", block_size=16):
     return shared_root_tree(2, 2960, 40, dtype, head_dim, device, block_size)
 
 
+def unshared_tree(dtype, head_dim, device="cuda", block_size=16):
+    """200 branches of 300 tokens that share their first: nothing is worth computing once, so
+    the plan is a paged decode (``PlanArrays.decode``)."""
+    return shared_root_tree(200, 1, 300, dtype, head_dim, device, block_size)
+
+
 def packed_tree(dtype, head_dim, device="cuda", block_size=16):
     """256 leaves of 24 tokens under a 512-token root: on an H100 each final program serves
     four branches."""
@@ -560,23 +566,27 @@ def packed_tree(dtype, head_dim, device="cuda", block_size=16):
 
 def test_trees_take_the_final_kernels_they_are_meant_to():
     """What the GPU tests below rely on (H100, 132 SMs): a separate merge, one branch per
-    final program, four."""
+    final program, four, a paged decode."""
     from flash_reasoning import TreeAttentionPlan
-    for make_tree, separate, lanes in ((long_branches_tree, True, 1), (seed_like_tree, False, 1),
-                                       (packed_tree, False, 4)):
+    for make_tree, separate, lanes, decode in ((long_branches_tree, True, 1, False),
+                                               (seed_like_tree, False, 1, False),
+                                               (packed_tree, False, 4, False),
+                                               (unshared_tree, False, 1, True)):
         alloc, ids = make_tree(torch.float16, 128, device="cpu")
         arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
-        assert (arrays.separate_merge, arrays.final_lanes) == (separate, lanes)
+        assert (arrays.separate_merge, arrays.final_lanes, arrays.decode) == (separate, lanes,
+                                                                             decode)
 
 
 @pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
 @pytest.mark.parametrize("make_tree, contiguous", [(long_branches_tree, False), (seed_like_tree, True),
-                                                   (packed_tree, True)])
+                                                   (packed_tree, True), (unshared_tree, None)])
 def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous, block_size, page):
     """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
     blocks takes the kernels compiled for that page size, any other size the generic ones. The
     roots lie in consecutive pages: their partial launch reads them as one run of slots, except
-    where it also holds the branches' open chunks (long_branches_tree merges separately)."""
+    where it also holds the branches' open chunks (long_branches_tree merges separately). A
+    plan with no partials (unshared_tree) launches paged_decode's kernel alone."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
     rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
@@ -585,9 +595,13 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous
     q = torch.empty(len(ids), 32, 128, dtype=torch.float16)
     expected = [launch.spec.name for launch in python.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)]
     names = kernel_names(api, plan)
-    assert names == expected and len(names) >= 2
-    assert names[0].startswith("tree_partial") and ("_page0_contiguous1_" in names[0]) == contiguous
-    paged = [name for name in names[contiguous:] if not name.startswith("tree_merge")]
+    assert names == expected
+    if contiguous is None:
+        assert len(names) == 1 and names[0].startswith("paged_decode")
+    else:
+        assert len(names) >= 2 and names[0].startswith("tree_partial")
+        assert ("_page0_contiguous1_" in names[0]) == contiguous
+    paged = [name for name in names[bool(contiguous):] if not name.startswith("tree_merge")]
     assert paged and all(page in name for name in paged)
     api.lib.frPlanDestroy(plan)
 
@@ -632,7 +646,8 @@ def test_plan_kernel_name_rejects(api, host_context):
 
 
 @gpu
-@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree])
+@pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree,
+                                       unshared_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)
@@ -647,7 +662,7 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 
 @gpu
 @pytest.mark.parametrize("make_tree, length", [(seed_like_tree, 1040), (long_branches_tree, 3000),
-                                               (packed_tree, 536)])
+                                               (packed_tree, 536), (unshared_tree, 301)])
 def test_gpu_plan_update_after_append(api, gpu_context, make_tree, length):
     alloc, ids = make_tree(torch.float16, 128)
     rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, 32))

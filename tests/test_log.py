@@ -138,5 +138,6 @@ def test_env_var_sends_records_to_stderr():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "FLASH_REASONING_LOG": "debug"})
     assert result.returncode == 0, result.stderr
-    assert "flash_reasoning DEBUG: tree_final (sm90): float16, head_dim=128, max_tokens=" \
+    # Four unshared branches of 80 tokens: no partials, the plan is a paged decode.
+    assert "flash_reasoning DEBUG: paged_decode (sm90): float16, head_dim=128, max_tokens=80" \
         in result.stderr

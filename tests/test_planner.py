@@ -278,9 +278,29 @@ def test_a_lone_root_before_a_final_launch_takes_one_program_per_sm(name, ratio)
 
 def test_lanes_do_not_apply_to_separate_merges():
     alloc = PhysicalKVAllocator(600, 16, 8, 64, device="cpu")
+    root = alloc.alloc_branch(256).branch_id
+    ids = [alloc.alloc_branch(300, parent_branch_id=root, fork_position=256).branch_id
+           for _ in range(256)]
+    assert plan_for(alloc, ids, 32, separate_merge=True, flat=False)[1].final_lanes == 1
+    assert plan_for(alloc, ids, 32, separate_merge=False, flat=False)[1].final_lanes == 4
+
+
+def test_a_plan_without_partials_runs_as_a_paged_decode():
+    """Unshared branches short enough not to split: no partials, so the plan is a paged decode
+    (one branch per program), unless the caller forces the final kernel's lanes; a computed node
+    or a split range makes partials, and the final kernel merges them."""
+    alloc = PhysicalKVAllocator(1200, 16, 8, 64, device="cpu")
     ids = [alloc.alloc_branch(100).branch_id for _ in range(256)]
-    assert plan_for(alloc, ids, 32, separate_merge=True)[1].final_lanes == 1
-    assert plan_for(alloc, ids, 32, separate_merge=False)[1].final_lanes == 4
+    decode = plan_for(alloc, ids, 32)[1]
+    assert (decode.decode, decode.final_lanes, decode.num_entries) == (True, 1, 0)
+    forced = plan_for(alloc, ids, 32, final_lanes=4)[1]
+    assert (forced.decode, forced.final_lanes) == (False, 4)
+    split = plan_for(alloc, ids, 32, separate_merge=False, target_chunk=64)[1]
+    assert split.num_entries and not split.decode
+    root = alloc.alloc_branch(256).branch_id
+    shared = [alloc.alloc_branch(300, parent_branch_id=root, fork_position=256).branch_id
+              for _ in range(64)]
+    assert not plan_for(alloc, shared, 32, flat=False)[1].decode
 
 
 def test_merge_steps_match_the_merge_kernel():
@@ -356,7 +376,7 @@ def test_contiguous_launches_need_closed_shared_ranges_in_consecutive_pages(reco
         *[None] * 8, items={64: np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))},
         final_start=np.array([32, 16], np.int32), merge_ptr=None, entry_slot=None,
         num_entries=0, work=None, work_offsets=None, separate_merge=False, final_lanes=1,
-        early_final=False)
+        early_final=False, decode=False)
     assert planner.contiguous_launches(arrays, mirror, rows, 8) == {64: expected}
 
 

@@ -77,6 +77,27 @@ def test_flat_plan_interpreted(separate):
 
 
 @interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 2), (16, 1)])
+def test_decode_plan_interpreted(dtype, heads):
+    """A flat plan with no split range has no partials: one launch of paged_decode's kernel
+    over the plan's tables, each branch's whole path; after the branches grow too."""
+    from aot.interpret import run_interpreted
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=40, seed=12)
+    q = queries(alloc, ids, heads[0])
+    plan, out = interpret(alloc, ids, q, flat=True)
+    assert plan.arrays.decode and plan.arrays.num_entries == 0
+    assert [launch.spec.family for launch in plan.launches(q, None, None, None)] == [
+        "paged_decode"]
+    check(out, q, alloc, ids)
+    alloc.append(ids, 0, *random_kv(alloc, torch.Generator().manual_seed(2), len(ids)))
+    plan.refresh()
+    out = poisoned_like(q)
+    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+    check(out, q, alloc, ids)
+
+
+@interpreter
 def test_one_tile_plan_interpreted():
     """Every item in the wide tile: narrow final ranges fill a few of its rows."""
     alloc, ids = forest("cpu", num_kv_heads=2, tokens=200, seed=12)
@@ -422,7 +443,7 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
 @gpu
 @pytest.mark.parametrize("name", ["seed_b256/q32kv8", "seed_b1/q16kv1", "ft_deep16/q32kv32",
                                   "ft_1,4,16,512/q32kv8", "long_1,4/q32kv8",
-                                  "flat_64x2048/q16kv1"])
+                                  "flat_64x2048/q16kv1", "flat_64x2048/q32kv8"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_cases(name, dtype):
     case = dict(next(c for c in load_cases()["cases"] if c["name"] == name), dtype=dtype)
@@ -546,6 +567,21 @@ def test_gpu_contiguous_partials_before_and_after_copy_on_write(scattered):
         for _ in range(3):
             check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
         alloc.append(alloc.reserve(ids), 0, *random_kv(alloc, gen, len(ids)))
+
+
+@gpu
+def test_gpu_decode_plan_follows_growth():
+    """A plan with no partials is one launch of paged_decode's kernel over the plan's tables:
+    right on the tree, and after every branch grew (it reads the lengths on the device)."""
+    alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=300, tokens=100,
+                        block_size=16)
+    plan = TreeAttentionPlan(alloc, ids, 32, flat=True)
+    assert plan.arrays.decode
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        q = queries(alloc, ids, 32, seed=step)
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
+        alloc.append(ids, 0, *random_kv(alloc, gen, len(ids)))
 
 
 @gpu

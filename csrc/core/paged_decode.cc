@@ -75,25 +75,31 @@ Status paged_decode(Context& ctx, const AttentionShape& s, const PagedDecodeArgs
   int64_t programs = a.num_seqs * split.tiles * split.splits;
   if (!(st = ctx.pick(ctx.addressing_rule_key(family + s.rule_suffix(), s.block_size), per_split, programs, &kernel)).ok())
     return st;
-  int64_t block_n = ctx.kernel(kernel).constexprs.at("BLOCK_N");
-  int64_t tokens_per_split = std::max(ceil_div(per_split, block_n) * block_n, block_n);
   const char* ws = static_cast<const char*>(a.workspace);
   const void* partial_out = split.splits > 1 ? ws : nullptr;
   const void* partial_lse = split.splits > 1 ? ws + lse_offset(split) : nullptr;
-  st = ctx.launch(kernel, a.num_seqs, split.tiles, split.splits,
-                  {{"q", pointer_arg(a.q)}, {"k_pool", pointer_arg(a.k_pool)}, {"v_pool", pointer_arg(a.v_pool)},
-                   {"block_tables", pointer_arg(a.block_tables)}, {"seq_lens", pointer_arg(a.seq_lens)},
-                   {"out", pointer_arg(split.splits > 1 ? nullptr : a.out)},
-                   {"partial_out", pointer_arg(partial_out)}, {"partial_lse", pointer_arg(partial_lse)},
-                   {"sm_scale_log2", Arg::Float(s.scale_log2())}, {"num_qo_heads", Arg::Int(s.num_qo_heads)},
-                   {"num_kv_heads", Arg::Int(s.num_kv_heads)}, {"page_size", Arg::Int(s.block_size)},
-                   {"max_blocks", Arg::Int(a.max_blocks)}, {"tokens_per_split", Arg::Int(tokens_per_split)}},
-                  stream);
+  st = launch_decode_kernel(ctx, kernel, s, a, split.tiles, split.splits, per_split, partial_out, partial_lse, stream);
   if (!st.ok() || split.splits == 1) return st;
   if (!(st = ctx.pick("merge_splits/" + s.rule_suffix(), -1, -1, &kernel)).ok()) return st;
   return ctx.launch(kernel, a.num_seqs * s.num_qo_heads, 1, 1,
                     {{"partial_out", pointer_arg(partial_out)}, {"partial_lse", pointer_arg(partial_lse)},
                      {"out", pointer_arg(a.out)}, {"num_splits", Arg::Int(split.splits)}},
+                    stream);
+}
+
+Status launch_decode_kernel(Context& ctx, int kernel, const AttentionShape& s, const PagedDecodeArgs& a,
+                            int64_t tiles, int64_t splits, int64_t per_split, const void* partial_out,
+                            const void* partial_lse, CUstream stream) {
+  int64_t block_n = ctx.kernel(kernel).constexprs.at("BLOCK_N");
+  int64_t tokens_per_split = std::max(ceil_div(per_split, block_n) * block_n, block_n);
+  return ctx.launch(kernel, a.num_seqs, tiles, splits,
+                    {{"q", pointer_arg(a.q)}, {"k_pool", pointer_arg(a.k_pool)}, {"v_pool", pointer_arg(a.v_pool)},
+                     {"block_tables", pointer_arg(a.block_tables)}, {"seq_lens", pointer_arg(a.seq_lens)},
+                     {"out", pointer_arg(splits > 1 ? nullptr : a.out)},
+                     {"partial_out", pointer_arg(partial_out)}, {"partial_lse", pointer_arg(partial_lse)},
+                     {"sm_scale_log2", Arg::Float(s.scale_log2())}, {"num_qo_heads", Arg::Int(s.num_qo_heads)},
+                     {"num_kv_heads", Arg::Int(s.num_kv_heads)}, {"page_size", Arg::Int(s.block_size)},
+                     {"max_blocks", Arg::Int(a.max_blocks)}, {"tokens_per_split", Arg::Int(tokens_per_split)}},
                     stream);
 }
 

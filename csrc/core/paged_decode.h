@@ -33,6 +33,13 @@ Status paged_decode_workspace(const Context& ctx, const AttentionShape& shape, i
 
 Status paged_decode(Context& ctx, const AttentionShape& shape, const PagedDecodeArgs& args, CUstream stream);
 
+// One launch of paged_decode's kernel `kernel`: `tiles` programs per sequence and split, each
+// split at most `per_split` tokens. Unsplit (splits 1) it writes args.out; split, the fp32
+// partials (workspace and size ignored). A tree plan with no partials runs it too.
+Status launch_decode_kernel(Context& ctx, int kernel, const AttentionShape& shape, const PagedDecodeArgs& args,
+                            int64_t tiles, int64_t splits, int64_t per_split, const void* partial_out,
+                            const void* partial_lse, CUstream stream);
+
 // Writes num_tokens rows of [num_kv_heads, head_dim] 16-bit values into pool slots.
 Status append_kv(Context& ctx, void* k_pool, void* v_pool, const void* slots, const void* k_new, const void* v_new,
                  int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, CUstream stream);

@@ -242,6 +242,10 @@ int64_t final_lanes(int64_t rows, const PlanShape& shape) {
 
 bool final_starts_early(bool separate_merge) { return !separate_merge; }
 
+bool runs_as_decode(bool separate_merge, int64_t num_entries, bool lanes_forced) {
+  return !separate_merge && num_entries == 0 && !lanes_forced;
+}
+
 int64_t partial_waves(int64_t num_computed, bool separate_merge) {
   return num_computed == 1 && !separate_merge ? kLoneRootWaves : kWaves;
 }
@@ -365,7 +369,9 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   p.order.assign(tree.order.begin(), tree.order.end());
   merge_slots(tree, &p);
   make_items(p, chunk_block_m, shape.group(), &p.items);
-  if (!p.separate_merge) p.final_lanes = options.final_lanes ? options.final_lanes : final_lanes(tree.num_rows(), shape);
+  p.decode = runs_as_decode(p.separate_merge, p.num_entries, options.final_lanes != 0);
+  if (!p.separate_merge && !p.decode)
+    p.final_lanes = options.final_lanes ? options.final_lanes : final_lanes(tree.num_rows(), shape);
   p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
                                                                 : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);

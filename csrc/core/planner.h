@@ -155,6 +155,8 @@ struct Plan {
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
   int64_t final_lanes = 1;  // branches per final-kernel program (1 when merging separately)
+  // No partials, the final launch a paged decode: runs_as_decode().
+  bool decode = false;
   // Each partial launch lets the launch after it start at its programs' start, not after their
   // walks (the tree_partial argument early_final): the final (or merge) launch, and on sm90 a
   // two-tile plan's second partial launch, which starts beside the first.
@@ -194,6 +196,15 @@ int64_t partial_waves(int64_t num_computed, bool separate_merge);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
 int64_t final_lanes(int64_t rows, const PlanShape& shape);
 bool final_starts_early(bool separate_merge);
+// Whether a plan's final launch is a paged decode: it computes no node and splits no range (no
+// partial entries), so each final range is a whole branch with nothing to merge, and the lanes
+// are the planner's (`lanes_forced`: a caller asked for the final kernel at some lanes). Such a
+// plan runs paged_decode's kernel unsplit, one program per (branch, query tile), by
+// paged_decode's rules over the plan's tables: tree_final's merge bookkeeping (a final_start
+// load ahead of the first page) costs a dependent load, and packing lanes gains nothing
+// over whole branches (H100, docs/perf.md session 21: ft_1,4,256/q16kv1 14.6 -> 13.1 us,
+// ft_1,2,64/q16kv1 13.2 -> 11.0; flat_64x2048/q32kv32 713.2 -> 709.8, paged_decode's own launch).
+bool runs_as_decode(bool separate_merge, int64_t num_entries, bool lanes_forced);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 

@@ -4,6 +4,7 @@
 #include <climits>
 
 #include "int_math.h"
+#include "paged_decode.h"
 
 namespace flash_reasoning {
 namespace {
@@ -154,7 +155,7 @@ Status TreeAttentionPlan::pick_final_kernel() {
   int64_t longest = 0;
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
-  const char* kernel = plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
+  const char* kernel = plan_.decode ? "paged_decode/" : plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
   return ctx_.pick(ctx_.addressing_rule_key(kernel + shape_.rule_suffix(), shape_.block_size), longest * plan_.final_lanes,
                    final_programs() * plan_shape_.final_tiles(), &last_kernel_);
 }
@@ -206,6 +207,15 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"early_final", Arg::Int(plan_.early_final)}},
                      stream, i > 0);  // the second tile's launch overlaps the first's
   if (!st.ok()) return st;
+  if (plan_.decode) {  // no partials: paged_decode's kernel over the plan's tables, unsplit
+    PagedDecodeArgs decode;
+    decode.q = q, decode.k_pool = k_pool, decode.v_pool = v_pool, decode.out = out;
+    decode.block_tables = reinterpret_cast<const void*>(d_tables_);
+    decode.seq_lens = reinterpret_cast<const void*>(d_lengths_);
+    decode.num_seqs = num_branches(), decode.max_blocks = max_blocks_;
+    return launch_decode_kernel(ctx_, last_kernel_, shape_, decode, plan_shape_.final_tiles(), 1,
+                                max_blocks_ * shape_.block_size, nullptr, nullptr, stream);
+  }
   bool after_partials = !plan_.items.empty();  // the last launch may overlap the partial launch
   if (plan_.separate_merge)
     return ctx_.launch(last_kernel_, num_branches(), shape_.num_qo_heads, 1,

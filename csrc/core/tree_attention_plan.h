@@ -66,7 +66,7 @@ class TreeAttentionPlan {
   std::vector<int32_t> work_;     // order, final_start, merge_ptr, entry_slot, items: as on the device
   std::vector<int64_t> work_offset_;  // element offset of each of those lists in work_
   std::vector<int> partial_kernels_;  // per plan_.items entry
-  int last_kernel_ = -1;     // tree_final, or tree_merge when the plan merges separately
+  int last_kernel_ = -1;  // tree_final, tree_merge when the plan merges separately, paged_decode (plan_.decode)
   CUdeviceptr workspace_ = 0;
   size_t workspace_bytes_ = 0;
   CUdeviceptr d_tables_ = 0, d_lengths_ = 0, d_work_ = 0, d_partial_out_ = 0, d_partial_lse_ = 0;

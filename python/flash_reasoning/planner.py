@@ -15,9 +15,10 @@ KV tiles, then folds its branch's partials one after another; a plan where some 
 is ``SEPARATE_MERGE_STEPS`` long *merges separately* instead: every chunk of every final range
 is a partial item (the last one *open*: it reads to its branch's length at run time), and a
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
-runs. Where the GQA group leaves rows of the final kernel's tile free, one final program serves
-``final_lanes`` branches (a power of two, while 3 programs per SM remain) and walks their final
-ranges side by side. The final (or merge) launch starts while the last partial launch runs: a
+runs. A plan with no partials at all (nothing computed, nothing split) is a paged decode and
+runs ``paged_decode``'s kernel. Where the GQA group leaves rows of the final kernel's tile
+free, one final program serves ``final_lanes`` branches (a power of two, while 3 programs per
+SM remain) and walks their final ranges side by side. The final (or merge) launch starts while the last partial launch runs: a
 final kernel at its programs' start (``early_final``: it walks its own ranges before it waits
 for the partials), a merge kernel after their walks (it has nothing to do before its wait). A
 plan that merges separately over both row tiles is also planned with
@@ -72,7 +73,10 @@ class PlanArrays:
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
     packed kernel, when above 1; row ``p`` otherwise); ``early_final``: each partial launch
-    lets the launch after it start at its programs' start, not after their walks. ``work``
+    lets the launch after it start at its programs' start, not after their walks. ``decode``:
+    the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
+    so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
+    tables (``runs_as_decode`` in csrc/core/planner.h says why). ``work``
     holds order, final_start, merge_ptr, entry_slot and each tile's items packed for one
     upload, list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
@@ -93,6 +97,7 @@ class PlanArrays:
     separate_merge: bool
     final_lanes: int
     early_final: bool
+    decode: bool
     stats: dict = field(default_factory=dict)
 
 

@@ -74,10 +74,8 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
         log.config_chosen(kernel, config, dtype, arch, head_dim, per_program, given=given[1],
                           programs=programs, num_sms=num_sms)
     spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config, page_size)
-    block_n = dict(spec.constexprs)["BLOCK_N"]
-    tokens_per_split = math.ceil(per_program / block_n) * block_n
-    scalars = (sm_scale * math.log2(math.e), num_qo_heads, num_kv_heads, page_size,
-               block_tables.shape[1], max(tokens_per_split, block_n))
+    scalars = decode_scalars(spec, sm_scale, num_qo_heads, num_kv_heads, page_size,
+                             block_tables.shape[1], per_program)
     if num_splits == 1:
         return [Launch(spec, grid, (q, k_pool, v_pool, block_tables, seq_lens, out, None, None)
                        + scalars)]
@@ -89,6 +87,17 @@ def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: fl
                    (partial_out, partial_lse, out, num_splits))
     return [Launch(spec, grid, (q, k_pool, v_pool, block_tables, seq_lens, None,
                                 partial_out, partial_lse) + scalars), merge]
+
+
+def decode_scalars(spec, sm_scale: float, num_qo_heads: int, num_kv_heads: int, page_size: int,
+                   max_blocks: int, per_program: int) -> tuple:
+    """The scalar arguments of a launch of the decode kernel ``spec`` whose programs walk at
+    most ``per_program`` tokens each (a split: its length, a whole multiple of the KV tile).
+    A tree plan with no partials launches the same kernel (``PlanArrays.decode``)."""
+    block_n = dict(spec.constexprs)["BLOCK_N"]
+    tokens_per_split = max(math.ceil(per_program / block_n) * block_n, block_n)
+    return (sm_scale * math.log2(math.e), num_qo_heads, num_kv_heads, page_size, max_blocks,
+            tokens_per_split)
 
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:

@@ -4,7 +4,8 @@ reads each shared KV token once per step.
 ``TreeAttentionPlan`` is built once per decode step (or kept while the branches only grow):
 it runs the planner, uploads the work lists and allocates every buffer ``run`` needs. ``run``
 launches the partial kernel(s), then the final kernel (or, for a plan that merges separately,
-the merge kernel); it allocates nothing and never synchronises, so it can be captured in a
+the merge kernel; for a plan with no partials, ``paged_decode``'s kernel alone); it allocates
+nothing and never synchronises, so it can be captured in a
 CUDA graph. On CPU allocators ``run`` executes the
 same plan with the PyTorch path.
 """
@@ -21,6 +22,7 @@ from .. import dispatch, log, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import POINTER_ALIGN, Launch
 from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
+from .paged_decode import decode_scalars
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
@@ -203,6 +205,9 @@ class TreeAttentionPlan:
         programs = -(-self.num_branches // lanes)
         final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
         self.launch_max_tokens.append(final_tokens)
+        if self.arrays.decode:
+            templates.append(self._decode_template(dtype, tiles, final_tokens, paged))
+            return templates
         final_config = self._config(dispatch.tree_final_kernel(lanes > 1), dtype, final_tokens,
                                     programs * tiles)
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
@@ -212,6 +217,18 @@ class TreeAttentionPlan:
                                    self.partial_out, self.partial_lse, "out") + scalars
                           + (self.num_branches, lanes)))
         return templates
+
+    def _decode_template(self, dtype: str, tiles: int, longest: int, paged: tuple) -> tuple:
+        """A plan with no partials (``PlanArrays.decode``): paged_decode's kernel, unsplit,
+        each program a whole branch (up to its table's capacity, so the plan survives growth);
+        the config by the longest branch now."""
+        spec = dispatch.decode_spec(dtype, self.head_dim, False, self.arch, self._config(
+            "paged_decode", dtype, longest, self.num_branches * tiles), self.allocator.block_size)
+        max_blocks = self.tables.shape[1]
+        scalars = decode_scalars(spec, self.sm_scale, self.num_qo_heads,
+                                 self.allocator.num_kv_heads, self.allocator.block_size,
+                                 max_blocks, max_blocks * self.allocator.block_size)
+        return spec, (self.num_branches, tiles, 1), paged + ("out", None, None) + scalars
 
     def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,
                 block_m: int | None = None) -> tuple[int, int, int]:
