@@ -202,33 +202,34 @@ class TreeAttentionPlan:
         # A packed program walks its lanes' final ranges side by side.
         lanes = self.arrays.final_lanes
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
-        programs = -(-self.num_branches // lanes)
+        grid = (-(-self.num_branches // lanes), tiles, 1)
         final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
         self.launch_max_tokens.append(final_tokens)
         if self.arrays.decode:
-            templates.append(self._decode_template(dtype, tiles, final_tokens, paged))
+            templates.append(self._decode_template(dtype, grid, final_tokens, paged))
             return templates
         final_config = self._config(dispatch.tree_final_kernel(lanes > 1), dtype, final_tokens,
-                                    programs * tiles)
+                                    math.prod(grid))
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
                                                    lanes > 1, self.allocator.block_size),
-                          (programs, tiles, 1),
+                          grid,
                           paged + (self._order, self._final_start, self._merge_ptr,
                                    self.partial_out, self.partial_lse, "out") + scalars
                           + (self.num_branches, lanes)))
         return templates
 
-    def _decode_template(self, dtype: str, tiles: int, longest: int, paged: tuple) -> tuple:
+    def _decode_template(self, dtype: str, grid: tuple, longest: int, paged: tuple) -> tuple:
         """A plan with no partials (``PlanArrays.decode``): paged_decode's kernel, unsplit,
-        each program a whole branch (up to its table's capacity, so the plan survives growth);
-        the config by the longest branch now."""
+        over the final launch's ``grid`` (one lane: a program per branch and query tile), each
+        program a whole branch (up to its table's capacity, so the plan survives growth); the
+        config by the longest branch now."""
         spec = dispatch.decode_spec(dtype, self.head_dim, False, self.arch, self._config(
-            "paged_decode", dtype, longest, self.num_branches * tiles), self.allocator.block_size)
+            "paged_decode", dtype, longest, math.prod(grid)), self.allocator.block_size)
         max_blocks = self.tables.shape[1]
         scalars = decode_scalars(spec, self.sm_scale, self.num_qo_heads,
                                  self.allocator.num_kv_heads, self.allocator.block_size,
                                  max_blocks, max_blocks * self.allocator.block_size)
-        return spec, (self.num_branches, tiles, 1), paged + ("out", None, None) + scalars
+        return spec, grid, paged + ("out", None, None) + scalars
 
     def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,
                 block_m: int | None = None) -> tuple[int, int, int]:
