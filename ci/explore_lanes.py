@@ -1,8 +1,8 @@
 """Final-kernel lanes (``Plan.final_lanes``): each case planned at every lane count, timed
 whole and interleaved, and the packed final launch JIT-compiled at each decode-tile config:
 the data behind kMinFinalProgramsPerSm (csrc/core/planner.h) and
-``dispatch.PACKED_FINAL_CONFIG``. Run on a GPU:
-PYTHONPATH=.:python python3 ci/explore_lanes.py [CASE...]"""
+``dispatch.PACKED_FINAL_CONFIG``; ``--whole``: the whole plans only. Run on a GPU:
+PYTHONPATH=.:python python3 ci/explore_lanes.py [--whole] [CASE...]"""
 import sys
 
 import torch
@@ -24,7 +24,7 @@ def jit_launch(launch, config):
     return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
 
 
-def explore(case):
+def explore(case, configs=True):
     alloc, leaves = bench.case_allocator(case, random=False)
     heads, dim = case["num_qo_heads"], case["head_dim"]
     q = torch.randn(len(leaves), heads, dim, device="cuda").to(alloc.dtype)
@@ -47,7 +47,7 @@ def explore(case):
           + " ".join(f"L{k}:{v:.1f}" for k, v in whole.items()) + " | final "
           + " ".join(f"L{k}:{v:.1f}" for k, v in final_us.items()), flush=True)
     lanes = max(k for k in plans if k > 1) if len(plans) > 1 else None
-    if lanes is None:
+    if lanes is None or not configs:
         return
     launch = finals[lanes]
     configs = {c: jit_launch(launch, c) for c in DECODE_TILE_CANDIDATES
@@ -66,8 +66,10 @@ def main() -> None:
     cases = {c["name"]: c for c in bench.load_cases()["cases"]}
     for case in EXTRA:
         cases[f"{case['name']}/d{case['head_dim']}"] = case
-    for name in sys.argv[1:] or cases:
-        explore(cases[name])
+    args = sys.argv[1:]
+    whole = "--whole" in args
+    for name in [a for a in args if a != "--whole"] or cases:
+        explore(cases[name], configs=not whole)
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@ final programs per SM; started early, they walk their leaves beside it, then wai
 root's partials holding their slots, so the leaves of programs past the first wave (seed_b256:
 512 programs of 4 lanes, 264 slots) still follow the root. A packed program's lanes are
 capped by the narrow tile (16 rows / GQA group 4 = 4 lanes); this JIT-compiles ``tree_final``
-at BLOCK_M = lanes x group for 8 and 16 lanes and runs it after the plan's (AOT) partial
-launch, started early as shipped. Each case: the shipped plan whole, then the partial launch
-and the wide-lane final at each config, outputs checked (us, interleaved, L2 flushed).
+at BLOCK_M = lanes x group for the shipped lanes and twice as many (at most 64 rows) and runs
+it after the plan's (AOT) partial launch, started early as shipped. Each case: the shipped
+plan whole, then the partial launch and the final at each lane count and config, outputs
+checked (us, interleaved, L2 flushed). Session 22 added the configs of 3 and 4 stages at 2
+warps (a program's next KV tile in flight while it computes this one).
 Run on a GPU: PYTHONPATH=.:python python3 ci/explore_wide_lanes.py [CASE...]"""
 import math
 import sys
@@ -18,9 +20,10 @@ from flash_reasoning.specializations import TREE_FINAL
 sys.path.insert(0, "ci")
 from explore_overlap import case_queries, poisoned_run, report, try_compile  # noqa: E402
 
-CASES = ("seed_b64/q32kv8", "seed_b128/q32kv8", "seed_b256/q32kv8", "ft_1,256/q32kv8",
-         "ft_1,4,256/q32kv8", "ft_1,1024/q32kv8")
-CONFIGS = ((64, 2, 2), (128, 2, 2), (64, 4, 2), (128, 4, 2))
+CASES = ("seed_b128/q32kv8", "seed_b256/q32kv8", "ft_1,256/q32kv8", "ft_1,4,256/q32kv8",
+         "ft_1,1024/q32kv8", "ft_1,4,16,512/q32kv8", "ft_deep16/q32kv8", "seed_b256/q32kv32",
+         "ft_1,4,256/q32kv32", "ft_1,16,64/q32kv32")
+CONFIGS = ((64, 2, 2), (32, 2, 3), (64, 2, 3), (32, 2, 4), (64, 2, 4), (64, 4, 3), (128, 4, 2))
 PARAMS = [name for name, _ in TREE_FINAL.params]
 
 
@@ -49,8 +52,9 @@ def explore(name, case, runs=40):
     partial, final = launches
     fns = {f"shipped (L{plan.arrays.final_lanes})": lambda: plan.run(q, 0, out)}
     info = []
-    for lanes in (8, 16):
-        if lanes * group > 64 or lanes <= plan.arrays.final_lanes:
+    shipped_lanes = plan.arrays.final_lanes
+    for lanes in (shipped_lanes, 2 * shipped_lanes):
+        if lanes * group > 64:
             continue
         for config in CONFIGS:
             key = f"L{lanes} {'/'.join(map(str, config))}"

@@ -69,8 +69,9 @@ explore tail "loads at the chains' ends, partial launches side by side"
 explore contiguous "shared ranges read as one run of slots"
 explore coresident "final programs beside a one-program-per-SM root"
 explore waves "partial launches of one program per SM"
-explore wide_lanes "final programs of 8 and 16 lanes after a one-per-SM root"
+explore wide_lanes "final programs: lanes and stages after the partial launch"
 explore resident "leaves as persistent partial programs beside a resident root"
+explore item_contiguous "separate-merge items read as runs of slots (upper bound)"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1

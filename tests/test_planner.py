@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, planner
-from flash_reasoning.bench import case_allocator, load_cases
+from flash_reasoning.bench import case_allocator, load_cases, table_cases
 from flash_reasoning.specializations import TREE_ITEM_FIELDS
 from flash_reasoning.synthetic import random_branches
 
@@ -215,12 +215,14 @@ def test_estimated_time_counts_launches_and_steps():
 ])
 def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_heads, lanes):
     """Final-kernel programs serve as many branches as the narrow tile's rows hold over the
-    GQA group (a power of two), while at least 3 programs per SM remain."""
-    alloc = PhysicalKVAllocator(2 * branches + 8, 16, kv_heads, 64, device="cpu")
-    root = alloc.alloc_branch(256).branch_id
-    ids = [alloc.alloc_branch(272, parent_branch_id=root, fork_position=256).branch_id
-           for _ in range(branches)]
+    GQA group (a power of two), while at least 3 programs per SM remain. (Two computed roots:
+    a lone one takes lanes by its own rule, below.)"""
+    alloc = PhysicalKVAllocator(2 * branches + 16, 16, kv_heads, 64, device="cpu")
+    roots = [alloc.alloc_branch(256).branch_id for _ in range(2)]
+    ids = [alloc.alloc_branch(272, parent_branch_id=roots[i % 2], fork_position=256).branch_id
+           for i in range(branches)]
     tree, arrays = plan_for(alloc, ids, heads, separate_merge=False, flat=False)
+    assert arrays.stats["computed_nodes"] == 2
     assert arrays.final_lanes == lanes
     most = max(1, 16 // (heads // kv_heads))
     for forced in (1, most):
@@ -229,6 +231,27 @@ def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_hea
     for bad in (0, most + 1, 2.0):
         with pytest.raises(ValueError, match="final_lanes"):
             plan_for(alloc, ids, heads, final_lanes=bad)
+
+
+@pytest.mark.parametrize("name, lanes, programs", [
+    ("seed_b128/q32kv8", 4, 256),   # 2 lanes (by programs per SM) would leave 512
+    ("seed_b64/q32kv32", 8, 256),   # not 4
+    ("seed_b256/q32kv8", 4, 512),   # the tile holds no more: the rest wait for the root
+    ("seed_b64/q32kv8", 1, 512),    # unpacked programs are lighter: left alone
+    ("ft_1,1024/q32kv8", 4, 2048),  # a root of 512 programs: none run beside it
+])
+def test_a_lone_root_packs_its_final_programs_to_fit_beside_it(name, lanes, programs):
+    """Beside a lone root of at most one program per SM, a packed final launch takes more lanes
+    until its programs fit kPackedFinalsBesideRoot (2) per SM beside the root, or the narrow
+    tile is full; an unpacked launch, or one beside a root of more programs, keeps its lanes."""
+    case = next(c for c in table_cases(load_cases(), cpu=False) if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
+    assert (arrays.final_lanes, arrays.stats["computed_nodes"]) == (lanes, 1)
+    tiles = case["num_kv_heads"]  # final programs per lane group: one tile per KV head here
+    assert -(-len(leaves) // lanes) * tiles == programs
+    root_programs = sum(arrays.stats["partial_programs"].values())
+    assert (root_programs <= H100["num_sms"]) == (name != "ft_1,1024/q32kv8")
 
 
 @pytest.mark.parametrize("name, early", [

@@ -232,11 +232,14 @@ bool merge_separately(int64_t longest_final_walk, bool adds_launch) {
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
 }
 
-int64_t final_lanes(int64_t rows, const PlanShape& shape) {
+int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root) {
+  auto programs = [&](int64_t lanes) { return ceil_div(rows, lanes) * shape.final_tiles(); };
   int64_t lanes = 1;
-  while (lanes * 2 <= shape.max_final_lanes() &&
-         ceil_div(rows, lanes * 2) * shape.final_tiles() >= kMinFinalProgramsPerSm * shape.num_sms)
+  while (lanes * 2 <= shape.max_final_lanes() && programs(lanes * 2) >= kMinFinalProgramsPerSm * shape.num_sms)
     lanes *= 2;
+  if (beside_root && lanes > 1)
+    while (lanes * 2 <= shape.max_final_lanes() && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms)
+      lanes *= 2;
   return lanes;
 }
 
@@ -306,6 +309,16 @@ bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_s
 
 namespace {
 
+// Whether the plan's partial launch is a lone root of at most one program per SM: final programs
+// started early share its SMs (kPackedFinalsBesideRoot).
+bool lone_root_beside(const Plan& plan, int64_t num_computed, const PlanShape& shape) {
+  if (partial_waves(num_computed, plan.separate_merge) != kLoneRootWaves) return false;
+  int64_t programs = 0;
+  for (const ItemList& list : plan.items)
+    programs += int64_t(list.records.size() / kTreeItemFields.size()) * shape.num_kv_heads;
+  return programs <= shape.num_sms;
+}
+
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
 // own row tile, or every range in the wide one (`one_tile`).
 Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,
@@ -371,7 +384,9 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   make_items(p, chunk_block_m, shape.group(), &p.items);
   p.decode = runs_as_decode(p.separate_merge, p.num_entries, options.final_lanes != 0);
   if (!p.separate_merge && !p.decode)
-    p.final_lanes = options.final_lanes ? options.final_lanes : final_lanes(tree.num_rows(), shape);
+    p.final_lanes = options.final_lanes
+                        ? options.final_lanes
+                        : final_lanes(tree.num_rows(), shape, lone_root_beside(p, r.num_computed, shape));
   p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
                                                                 : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);

@@ -83,6 +83,15 @@ constexpr int64_t kMergeSlotsPerStep = 16;
 // of two, that leave kMinFinalProgramsPerSm programs per SM (H100, docs/perf.md session 11:
 // 256 leaves of 64 tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes; 64 leaves lose at 2).
 constexpr int64_t kMinFinalProgramsPerSm = 3;
+// Packed final programs (240 registers x 2 warps, 39 KB of shared memory) that fit on an SM
+// beside one root program (64 rows: ~26K registers, 112 KB). Beside a lone root cut for one
+// program per SM (kLoneRootWaves), a final launch started early walks the leaves of only that
+// many programs per SM while the root computes; the rest wait for the root to end. So there a
+// packed launch takes more lanes, until its programs fit beside the root or the tile is full
+// (H100, docs/perf.md session 22: seed_b128/q32kv8 37.2 -> 30.3 us at 4 lanes, not 2;
+// seed_b64/q32kv32 49.3 -> 47.3 at 8, not 4; an unpacked launch, lighter, is left alone:
+// seed_b64/q32kv8 24.0 us at one lane, 24.6 at 2).
+constexpr int64_t kPackedFinalsBesideRoot = 2;
 // The last launch starts at the (last) partial launch's programs' start, not after their walks,
 // where it has work of its own before it waits: a final program walks its branches' final
 // ranges while partial programs still run, and waits only before its merge. tree_merge has
@@ -194,7 +203,9 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
 int64_t chunk_length(int64_t length, int64_t target);
 int64_t partial_waves(int64_t num_computed, bool separate_merge);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
-int64_t final_lanes(int64_t rows, const PlanShape& shape);
+// Branches per final-kernel program; `beside_root`: the plan's partial launch is a lone root of
+// at most one program per SM (kPackedFinalsBesideRoot).
+int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root);
 bool final_starts_early(bool separate_merge);
 // Whether a plan's final launch is a paged decode: it computes no node and splits no range (no
 // partial entries), so each final range is a whole branch with nothing to merge, and the lanes
