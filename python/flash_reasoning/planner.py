@@ -20,11 +20,11 @@ runs ``paged_decode``'s kernel. Where the GQA group leaves rows of the final ker
 free, one final program serves ``final_lanes`` branches (a power of two, while 3 programs per
 SM remain; beside a lone root of one program per SM, until every packed program fits two per
 SM beside it) and walks their final ranges side by side. The final (or merge) launch starts
-while the last partial launch runs: a final kernel at its programs' start (``early_final``: it walks its own ranges before it waits
-for the partials), a merge kernel after their walks (it has nothing to do before its wait). A
-plan that merges separately over both row tiles is also planned with
-every item in the wide tile (*one tile*: one partial launch fewer, the same folds), kept where
-it estimates faster.
+while the last partial launch runs: a final kernel at its programs' start (``early_final``:
+it walks its own ranges before it waits for the partials), a merge kernel after their walks
+(it has nothing to do before its wait). A plan that merges separately over both row tiles is
+also planned with every item in the wide tile (*one tile*: one partial launch fewer, the
+same folds), kept where it estimates faster.
 
 Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
 tree cannot repay (one KV head: 512 bytes a token). So the tree is also planned *flat* (every
