@@ -315,7 +315,7 @@ bool lone_root_beside(const Plan& plan, int64_t num_computed, const PlanShape& s
   if (partial_waves(num_computed, plan.separate_merge) != kLoneRootWaves) return false;
   int64_t programs = 0;
   for (const ItemList& list : plan.items)
-    programs += int64_t(list.records.size() / kTreeItemFields.size()) * shape.num_kv_heads;
+    programs += list.count() * shape.num_kv_heads;
   return programs <= shape.num_sms;
 }
 
