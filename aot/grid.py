@@ -45,12 +45,21 @@ def candidate_specs(arch: str) -> list[Spec]:
         for head_dim in CANDIDATE_HEAD_DIMS:
             for kernel, block_m in dispatch.RULE_LISTS:
                 wide_tile = block_m is not None and block_m != dispatch.BLOCK_M
+                rows = block_m or dispatch.RULE_LIST_SPECS[kernel][1].get("BLOCK_M",
+                                                                          dispatch.BLOCK_M)
                 for config in WIDE_TILE_CANDIDATES if wide_tile else DECODE_TILE_CANDIDATES:
-                    if fits_shared_memory(arch, head_dim, block_m or dispatch.BLOCK_M, config):
+                    if fits_shared_memory(arch, head_dim, rows, config) and \
+                            serves_every_lane(kernel, rows, config):
                         specs += [dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
                                                        block_m, page_size, contiguous)
                                   for page_size, contiguous in dispatch.addressings(kernel)]
     return specs
+
+
+def serves_every_lane(kernel: str, rows: int, config: tuple[int, int, int]) -> bool:
+    """A packed final program's KV tile holds a token of each lane at least (one lane per row
+    at GQA group 1): BLOCK_N >= its rows."""
+    return not kernel.startswith("tree_final_packed") or config[0] >= rows
 
 
 def fits_shared_memory(arch: str, head_dim: int, block_m: int,

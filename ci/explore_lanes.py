@@ -1,19 +1,31 @@
 """Final-kernel lanes (``Plan.final_lanes``): each case planned at every lane count, timed
 whole and interleaved, and the packed final launch JIT-compiled at each decode-tile config:
 the data behind kMinFinalProgramsPerSm (csrc/core/planner.h) and
-``dispatch.PACKED_FINAL_CONFIG``; ``--whole``: the whole plans only. Run on a GPU:
-PYTHONPATH=.:python python3 ci/explore_lanes.py [--whole] [CASE...]"""
+``dispatch.PACKED_FINAL_CONFIG``; ``--whole``: the whole plans only; ``--roots``: the whole
+plans of seed-like trees (one root, then leaves) of several root and leaf lengths, the data
+behind the wide final tile's rule (a lone root that outlasts the leaves, session 23). Lane
+counts go up to the wide final tile's rows over the GQA group. Run on a GPU:
+PYTHONPATH=.:python python3 ci/explore_lanes.py [--whole | --roots] [CASE...]"""
 import sys
 
 import torch
 
 from aot.grid import DECODE_TILE_CANDIDATES, fits_shared_memory
 from aot.kernels import JIT_FUNCTIONS
-from flash_reasoning import TreeAttentionPlan, bench, runtime, timing
+from flash_reasoning import TreeAttentionPlan, bench, dispatch, runtime, timing
 
 RUNS = 30
 #: Cases beyond the cases file: the seed's 128-branch row and other head dims.
 EXTRA = [bench.seed_case(128), bench.seed_case(256, head_dim=64), bench.seed_case(256, head_dim=256)]
+#: --roots: (branches, root tokens, leaf tokens) of the seed-like trees.
+ROOTS = [(256, root, leaf, 8) for root in (512, 1024, 2048, 4096) for leaf in (24, 64, 128)] + \
+    [(256, root, leaf, 32) for root in (2048, 4096) for leaf in (24, 64)]
+
+
+def root_cases():
+    for branches, root, leaf, kv_heads in ROOTS:
+        case = bench.seed_case(branches, root, leaf, num_kv_heads=kv_heads)
+        yield {**case, "name": f"b{branches}_root{root}_leaf{leaf}/q32kv{kv_heads}"}
 
 
 def jit_launch(launch, config):
@@ -34,9 +46,9 @@ def explore(case, configs=True):
     if auto.arrays.separate_merge:
         print(f"{name:28} merges separately: no final launch", flush=True)
         return
-    most = max(1, 16 // (heads // case["num_kv_heads"]))
+    most = max(1, dispatch.FINAL_WIDE_BLOCK_M // (heads // case["num_kv_heads"]))
     plans = {lanes: TreeAttentionPlan(alloc, leaves, heads, final_lanes=lanes)
-             for lanes in (1, 2, 4, 8, 16) if lanes <= most}
+             for lanes in (1, 2, 4, 8, 16, 32) if lanes <= most}
     whole = timing.median_us_each({lanes: (lambda p=p: p.run(q, 0, out))
                                    for lanes, p in plans.items()}, RUNS)
     finals = {lanes: p.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)[-1]
@@ -46,7 +58,7 @@ def explore(case, configs=True):
     print(f"{name:28} auto L{auto.arrays.final_lanes} | whole "
           + " ".join(f"L{k}:{v:.1f}" for k, v in whole.items()) + " | final "
           + " ".join(f"L{k}:{v:.1f}" for k, v in final_us.items()), flush=True)
-    lanes = max(k for k in plans if k > 1) if len(plans) > 1 else None
+    lanes = max(k for k in plans if 1 < k <= most // 2) if len(plans) > 2 else None
     if lanes is None or not configs:
         return
     launch = finals[lanes]
@@ -67,6 +79,10 @@ def main() -> None:
     for case in EXTRA:
         cases[f"{case['name']}/d{case['head_dim']}"] = case
     args = sys.argv[1:]
+    if "--roots" in args:
+        for case in root_cases():
+            explore(case, configs=False)
+        return
     whole = "--whole" in args
     for name in [a for a in args if a != "--whole"] or cases:
         explore(cases[name], configs=not whole)

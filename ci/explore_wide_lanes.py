@@ -8,8 +8,11 @@ at BLOCK_M = lanes x group for the shipped lanes and twice as many (at most 64 r
 it after the plan's (AOT) partial launch, started early as shipped. Each case: the shipped
 plan whole, then the partial launch and the final at each lane count and config, outputs
 checked (us, interleaved, L2 flushed). Session 22 added the configs of 3 and 4 stages at 2
-warps (a program's next KV tile in flight while it computes this one).
-Run on a GPU: PYTHONPATH=.:python python3 ci/explore_wide_lanes.py [CASE...]"""
+warps (a program's next KV tile in flight while it computes this one); session 23 the
+options: ``--factors 2,4`` (lanes as multiples of the shipped ones; default 1,2) and
+``--configs 32/4/2,64/2/2`` (default CONFIGS), the shipped launch timed as well.
+Run on a GPU: PYTHONPATH=.:python python3 ci/explore_wide_lanes.py [--factors F,..]
+[--configs N/W/S,..] [CASE...]"""
 import math
 import sys
 
@@ -39,7 +42,7 @@ def wide_final(final, lanes, group, config):
         *args, **constexprs, num_warps=warps, num_stages=stages, launch_pdl=True)
 
 
-def explore(name, case, runs=40):
+def explore(name, case, runs=40, factors=(1, 2), configs=CONFIGS):
     alloc, leaves, q = case_queries(case)
     heads = case["num_qo_heads"]
     group = heads // alloc.num_kv_heads
@@ -53,10 +56,10 @@ def explore(name, case, runs=40):
     fns = {f"shipped (L{plan.arrays.final_lanes})": lambda: plan.run(q, 0, out)}
     info = []
     shipped_lanes = plan.arrays.final_lanes
-    for lanes in (shipped_lanes, 2 * shipped_lanes):
+    for lanes in (factor * shipped_lanes for factor in factors):
         if lanes * group > 64:
             continue
-        for config in CONFIGS:
+        for config in configs:
             key = f"L{lanes} {'/'.join(map(str, config))}"
             run_final = wide_final(final, lanes, group, config)
             if try_compile(key, run_final, info):
@@ -66,5 +69,16 @@ def explore(name, case, runs=40):
            f"programs)", info, times)
 
 
+def parse(argv):
+    """(factors, configs, cases) from the command line."""
+    options = {"--factors": "1,2", "--configs": ",".join("/".join(map(str, c)) for c in CONFIGS)}
+    while argv and argv[0] in options:
+        options[argv[0]], argv = argv[1], argv[2:]
+    factors = tuple(int(f) for f in options["--factors"].split(","))
+    configs = tuple(tuple(int(v) for v in c.split("/")) for c in options["--configs"].split(","))
+    return factors, configs, argv or CASES
+
+
 if __name__ == "__main__":
-    bench.explore_cases(explore, sys.argv[1:] or CASES)
+    FACTORS, SWEEP, NAMES = parse(sys.argv[1:])
+    bench.explore_cases(lambda name, case: explore(name, case, 40, FACTORS, SWEEP), NAMES)

@@ -173,7 +173,7 @@ def main() -> int:
                                              (torch.float16, 2, 256, 8)):
         name = f"edges {str(dtype)[6:]} d{head_dim} kv{kv_heads} group {group}"
         check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16),
-                   merges=(False, True), lanes=(None, 16 // group))
+                   merges=(False, True), lanes=(None, 16 // group, 32 // group))
     for leaves in (4, 8):
         check_tree(check, f"shared prefix x{leaves}", *shared_prefix_tree(leaves), 4,
                    chunks=(None, 64), merges=(False, True))

@@ -142,3 +142,15 @@ def test_spec_names_are_unique_and_keys_complete():
     for arch in grid.ARCHS:
         specs = grid.specs_for(arch, wide=True)
         assert len({s.name for s in specs}) == len(specs)
+
+
+def test_candidate_packed_final_tiles_hold_a_token_of_each_lane():
+    """A tuning run's packed final candidates (narrow and wide tile) have a KV tile of at
+    least one token per row, so one per lane at GQA group 1 (grid.serves_every_lane)."""
+    from aot import grid
+    packed = [spec for spec in grid.candidate_specs("sm90")
+              if spec.family == "tree_final" and spec.key["PACKED"]]
+    assert {spec.key["BLOCK_M"] for spec in packed} == {dispatch.BLOCK_M,
+                                                        dispatch.FINAL_WIDE_BLOCK_M}
+    assert all(spec.key["BLOCK_N"] >= spec.key["BLOCK_M"] for spec in packed)
+    assert any(spec.key["BLOCK_N"] < dispatch.FINAL_WIDE_BLOCK_M for spec in packed)

@@ -559,18 +559,25 @@ def unshared_tree(dtype, head_dim, device="cuda", block_size=16):
 
 
 def packed_tree(dtype, head_dim, device="cuda", block_size=16):
-    """256 leaves of 24 tokens under a 512-token root: on an H100 each final program serves
-    four branches."""
+    """256 leaves of 64 tokens under a 512-token root: on an H100 each final program serves
+    four branches (the narrow tile)."""
+    return shared_root_tree(256, 512, 64, dtype, head_dim, device, block_size)
+
+
+def wide_packed_tree(dtype, head_dim, device="cuda", block_size=16):
+    """256 leaves of 24 tokens under a 512-token root, which outlasts them: on an H100 each
+    final program serves eight branches (the wide final tile)."""
     return shared_root_tree(256, 512, 24, dtype, head_dim, device, block_size)
 
 
 def test_trees_take_the_final_kernels_they_are_meant_to():
     """What the GPU tests below rely on (H100, 132 SMs): a separate merge, one branch per
-    final program, four, a paged decode."""
+    final program, four, eight, a paged decode."""
     from flash_reasoning import TreeAttentionPlan
     for make_tree, separate, lanes, decode in ((long_branches_tree, True, 1, False),
                                                (seed_like_tree, False, 1, False),
                                                (packed_tree, False, 4, False),
+                                               (wide_packed_tree, False, 8, False),
                                                (unshared_tree, False, 1, True)):
         alloc, ids = make_tree(torch.float16, 128, device="cpu")
         arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
@@ -580,13 +587,15 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
 
 @pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
 @pytest.mark.parametrize("make_tree, contiguous", [(long_branches_tree, False), (seed_like_tree, True),
-                                                   (packed_tree, True), (unshared_tree, None)])
+                                                   (packed_tree, True), (wide_packed_tree, True),
+                                                   (unshared_tree, None)])
 def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous, block_size, page):
     """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
     blocks takes the kernels compiled for that page size, any other size the generic ones. The
     roots lie in consecutive pages: their partial launch reads them as one run of slots, except
     where it also holds the branches' open chunks (long_branches_tree merges separately). A
-    plan with no partials (unshared_tree) launches paged_decode's kernel alone."""
+    plan with no partials (unshared_tree) launches paged_decode's kernel alone; eight lanes of
+    group 4 (wide_packed_tree) take the wide final tile's kernel."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
     rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
@@ -603,6 +612,7 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous
         assert ("_page0_contiguous1_" in names[0]) == contiguous
     paged = [name for name in names[bool(contiguous):] if not name.startswith("tree_merge")]
     assert paged and all(page in name for name in paged)
+    assert ("_block_m32_" in names[-1]) == (make_tree is wide_packed_tree)
     api.lib.frPlanDestroy(plan)
 
 
@@ -647,7 +657,7 @@ def test_plan_kernel_name_rejects(api, host_context):
 
 @gpu
 @pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree,
-                                       unshared_tree])
+                                       wide_packed_tree, unshared_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)
@@ -662,7 +672,8 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 
 @gpu
 @pytest.mark.parametrize("make_tree, length", [(seed_like_tree, 1040), (long_branches_tree, 3000),
-                                               (packed_tree, 536), (unshared_tree, 301)])
+                                               (packed_tree, 576), (wide_packed_tree, 536),
+                                               (unshared_tree, 301)])
 def test_gpu_plan_update_after_append(api, gpu_context, make_tree, length):
     alloc, ids = make_tree(torch.float16, 128)
     rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, 32))

@@ -62,6 +62,23 @@ def test_packed_final_programs_have_their_own_rules(no_tables):
         ("tree_final_packed", "tree_final")
 
 
+def test_the_wide_final_tile_has_its_own_rules(no_tables):
+    """Lanes past the narrow tile's rows take the wide packed tile: its own rule list, a spec
+    of FINAL_WIDE_BLOCK_M rows, a KV tile that holds a token of each lane at least (one lane
+    per row at GQA group 1), and no unpacked form."""
+    assert [dispatch.final_tile_is_wide(lanes, 4) for lanes in (1, 4, 5, 8)] == \
+        [False, False, True, True]
+    for head_dim in dispatch.HEAD_DIMS:
+        config = dispatch.config_for("tree_final_packed_wide", "float16", head_dim, "sm90", 64)
+        assert config == dispatch.PACKED_WIDE_FINAL_CONFIGS[head_dim]
+        assert config[0] >= dispatch.FINAL_WIDE_BLOCK_M
+        wide = dispatch.tree_final_spec("float16", head_dim, "sm90", packed=True, wide=True)
+        assert wide.key["BLOCK_M"] == dispatch.FINAL_WIDE_BLOCK_M
+        assert dispatch.rule_kernel(wide) == "tree_final_packed_wide"
+    with pytest.raises(ValueError, match="packed"):
+        dispatch.tree_final_spec("float16", 128, "sm90", wide=True)
+
+
 def test_each_rule_lists_specs_name_it_back(no_tables):
     """rule_kernel inverts kernel_spec for every rule list (RULE_LIST_SPECS covers them)."""
     for kernel, block_m in dispatch.RULE_LISTS:

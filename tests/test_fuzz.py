@@ -242,7 +242,8 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
                    target_chunk=data.draw(st.sampled_from(limits.target_chunks)),
                    separate_merge=data.draw(st.sampled_from([None, False, True])),
                    flat=data.draw(st.sampled_from([None, False, True])),
-                   final_lanes=data.draw(st.sampled_from([None, 1, max(1, 16 // group)])),
+                   final_lanes=data.draw(st.sampled_from([None, 1, max(1, 16 // group),
+                                                          max(1, 32 // group)])),
                    one_tile=data.draw(st.sampled_from([None, True])),
                    **(dict(arch="sm90", num_sms=4) if interpreted else {}))
 

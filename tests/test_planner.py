@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, planner
-from flash_reasoning.bench import case_allocator, load_cases, table_cases
+from flash_reasoning.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import TREE_ITEM_FIELDS
 from flash_reasoning.synthetic import random_branches
 
@@ -224,7 +224,7 @@ def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_hea
     tree, arrays = plan_for(alloc, ids, heads, separate_merge=False, flat=False)
     assert arrays.stats["computed_nodes"] == 2
     assert arrays.final_lanes == lanes
-    most = max(1, 16 // (heads // kv_heads))
+    most = max(1, 32 // (heads // kv_heads))  # the wide final tile's rows over the group
     for forced in (1, most):
         assert plan_for(alloc, ids, heads, flat=False, final_lanes=forced)[1].final_lanes in (
             forced, 1)  # 1: a plan that merges separately has no final kernel
@@ -236,14 +236,16 @@ def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_hea
 @pytest.mark.parametrize("name, lanes, programs", [
     ("seed_b128/q32kv8", 4, 256),   # 2 lanes (by programs per SM) would leave 512
     ("seed_b64/q32kv32", 8, 256),   # not 4
-    ("seed_b256/q32kv8", 4, 512),   # the tile holds no more: the rest wait for the root
+    ("seed_b256/q32kv8", 8, 256),   # past the narrow tile: the root outlasts the leaves
+    ("ft_1,256/q32kv8", 4, 512),    # the narrow tile is full, the leaves outlast the root
     ("seed_b64/q32kv8", 1, 512),    # unpacked programs are lighter: left alone
     ("ft_1,1024/q32kv8", 4, 2048),  # a root of 512 programs: none run beside it
 ])
 def test_a_lone_root_packs_its_final_programs_to_fit_beside_it(name, lanes, programs):
     """Beside a lone root of at most one program per SM, a packed final launch takes more lanes
     until its programs fit kPackedFinalsBesideRoot (2) per SM beside the root, or the narrow
-    tile is full; an unpacked launch, or one beside a root of more programs, keeps its lanes."""
+    tile is full (the wide one where the root outlasts the leaves, below); an unpacked launch,
+    or one beside a root of more programs, keeps its lanes."""
     case = next(c for c in table_cases(load_cases(), cpu=False) if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu", random=False)
     arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
@@ -252,6 +254,29 @@ def test_a_lone_root_packs_its_final_programs_to_fit_beside_it(name, lanes, prog
     assert -(-len(leaves) // lanes) * tiles == programs
     root_programs = sum(arrays.stats["partial_programs"].values())
     assert (root_programs <= H100["num_sms"]) == (name != "ft_1,1024/q32kv8")
+
+
+@pytest.mark.parametrize("root, leaf, kv_heads, lanes", [
+    (512, 24, 8, 8),      # H100, whole step: 30.4 us at 4 lanes, 27.6 at 8
+    (512, 64, 8, 4),      # 41.4 against 43.9
+    (1024, 64, 8, 8),     # 47.2 against 45.1
+    (1024, 128, 8, 4),    # 65.8 against 69.4
+    (2048, 64, 8, 8),     # seed_b256/q32kv8: 59.6 against 49.2
+    (4096, 128, 8, 8),    # 97.3 against 82.6
+    (2048, 24, 32, 32),   # group 1, 16 lanes against 32: 70.5 against 61.8
+    (2048, 64, 32, 16),   # seed_b256/q32kv32: 118.1 against 124.8
+])
+def test_a_lone_root_that_outlasts_the_leaves_takes_the_wide_final_tile(root, leaf, kv_heads,
+                                                                       lanes):
+    """Past the narrow tile, a packed final launch beside a lone root takes the wide final
+    tile's lanes (until its programs fit beside the root) where the root's launch is estimated
+    to take longer than the final launch; the figures are the H100's (docs/perf.md session
+    23), and the rule picks the faster on each."""
+    case = seed_case(256, root, leaf, num_kv_heads=kv_heads)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
+    assert (arrays.final_lanes, arrays.stats["computed_nodes"]) == (lanes, 1)
+    assert sum(arrays.stats["partial_programs"].values()) <= H100["num_sms"]
 
 
 @pytest.mark.parametrize("name, early", [
@@ -305,7 +330,8 @@ def test_lanes_do_not_apply_to_separate_merges():
     ids = [alloc.alloc_branch(300, parent_branch_id=root, fork_position=256).branch_id
            for _ in range(256)]
     assert plan_for(alloc, ids, 32, separate_merge=True, flat=False)[1].final_lanes == 1
-    assert plan_for(alloc, ids, 32, separate_merge=False, flat=False)[1].final_lanes == 4
+    # A 256-token root estimated to outlast its leaves of 44 tokens: the wide final tile's 8.
+    assert plan_for(alloc, ids, 32, separate_merge=False, flat=False)[1].final_lanes == 8
 
 
 def test_a_plan_without_partials_runs_as_a_paged_decode():
@@ -333,10 +359,14 @@ def test_merge_steps_match_the_merge_kernel():
 
 def test_final_kernel_rows_are_the_planner_narrow_tile():
     """The planner's lanes and final grid (PlanShape::final_tiles, also the C ABI's final
-    launch) count the narrow tile's rows; tree_final is compiled with BLOCK_M rows."""
+    launch) count the narrow tile's rows; tree_final is compiled with BLOCK_M rows, and its
+    wide packed form with the rows the planner is given for it (the C ABI: the manifest's)."""
     from flash_reasoning import dispatch
     assert dict(dispatch.tree_final_spec("float16", 128, "sm90").constexprs)["BLOCK_M"] \
         == dispatch.TREE_BLOCK_MS[0]
+    wide = dispatch.tree_final_spec("float16", 128, "sm90", packed=True, wide=True)
+    assert dict(wide.constexprs)["BLOCK_M"] == dispatch.FINAL_WIDE_BLOCK_M \
+        == dispatch.dispatch_rules("sm90")["constants"]["tree_final_block_m_wide"]
 
 
 def test_empty_branches_plan_to_empty_ranges():

@@ -226,17 +226,21 @@ def test_separate_merge_follows_growth_interpreted():
 
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, lanes", [((2, 2), 16), ((6, 2), 3), ((8, 2), 2), ((8, 2), 4)])
+@pytest.mark.parametrize("heads, lanes", [((2, 2), 16), ((6, 2), 3), ((8, 2), 2), ((8, 2), 4),
+                                          ((8, 2), 8), ((2, 2), 32), ((6, 2), 6)])
 def test_packed_final_interpreted(dtype, heads, lanes):
     """Final programs that serve several branches (groups 1, 3, 4: one with a lane count
-    that leaves tile rows and tokens over), their final ranges of unequal length (one left
-    behind by decode steps), a last program with lanes but no branch."""
+    that leaves tile rows and tokens over), in the narrow tile or, past its rows, the wide
+    one; their final ranges of unequal length (one left behind by decode steps), a last
+    program with lanes but no branch."""
     from aot.interpret import run_interpreted
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, branches=13, tokens=60,
                         seed=lanes)
     plan = TreeAttentionPlan(alloc, ids, heads[0], num_sms=4, arch="sm90",
                              separate_merge=False, final_lanes=lanes)
-    assert plan.arrays.final_lanes == lanes and plan._templates[-1][0].key["PACKED"] == 1
+    final = plan._templates[-1][0].key
+    assert plan.arrays.final_lanes == lanes and final["PACKED"] == 1
+    assert final["BLOCK_M"] == (16 if lanes * heads[0] // heads[1] <= 16 else 32)
     gen = torch.Generator().manual_seed(lanes)
     for step in range(2):
         q = queries(alloc, ids, heads[0], seed=step)
@@ -430,11 +434,12 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
                         block_size=16, roots=1 + seed % 2)
     q = queries(alloc, ids, group * kv_heads, seed)
     auto = TreeAttentionPlan(alloc, ids, q.shape[1]).arrays
-    most_lanes = max(1, 16 // group)
+    most_lanes = max(1, 16 // group)  # the narrow final tile's; the wide one holds twice
     for separate, flat, lanes, one_tile in (
             (None, None, None, None), (not auto.separate_merge, None, None, None),
             (None, False, None, None), (None, True, None, None), (False, None, most_lanes, None),
-            (False, None, seed % most_lanes + 1, None), (True, False, None, True)):
+            (False, None, seed % most_lanes + 1, None), (False, None, 2 * most_lanes, None),
+            (True, False, None, True)):
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate, flat=flat,
                                  final_lanes=lanes, one_tile=one_tile)
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)

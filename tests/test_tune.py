@@ -133,7 +133,8 @@ def fake_manifest():
         entry("paged_decode", 64, 4, 3, BLOCK_M=16, SPLIT=1),
         entry("tree_partial", 64, 4, 3, BLOCK_M=64), entry("tree_partial", 32, 2, 2, BLOCK_M=16),
         entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0),
-        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1)]}
+        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1),
+        entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1)]}
 
 
 def test_compiled_configs_match_the_rule_lists_kernel_exactly():
@@ -142,6 +143,7 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     assert tune.compiled_configs(manifest, "paged_decode_split/float16/128") == [(64, 4, 3)]
     assert tune.compiled_configs(manifest, "tree_final/float16/128") == [(32, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final_packed/float16/128") == [(64, 2, 2)]
+    assert tune.compiled_configs(manifest, "tree_final_packed_wide/float16/128") == [(32, 2, 3)]
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/64") == [(64, 4, 3)]
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/16") == [(32, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final/bfloat16/128") == []

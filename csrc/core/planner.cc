@@ -49,6 +49,8 @@ Status check_shape(const PlanShape& s) {
                                                      std::to_string(s.num_kv_heads) + ")");
   if (s.head_dim < 1 || s.dtype_bytes < 1 || s.num_sms < 1 || s.block_ms[0] < 1 || s.block_ms[1] < s.block_ms[0])
     return Status::Error(Code::kInvalidArgument, "head_dim, dtype_bytes, num_sms and block_ms must be positive");
+  if (s.wide_final_rows && s.wide_final_rows < s.block_ms[0])
+    return Status::Error(Code::kInvalidArgument, "wide_final_rows must be 0 (none) or at least block_ms[0]");
   return Status::Ok();
 }
 
@@ -232,14 +234,14 @@ bool merge_separately(int64_t longest_final_walk, bool adds_launch) {
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
 }
 
-int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root) {
+int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool root_outlasts_leaves) {
   auto programs = [&](int64_t lanes) { return ceil_div(rows, lanes) * shape.final_tiles(); };
   int64_t lanes = 1;
   while (lanes * 2 <= shape.max_final_lanes() && programs(lanes * 2) >= kMinFinalProgramsPerSm * shape.num_sms)
     lanes *= 2;
-  if (beside_root && lanes > 1)
-    while (lanes * 2 <= shape.max_final_lanes() && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms)
-      lanes *= 2;
+  if (!beside_root || lanes == 1) return lanes;
+  int64_t most = root_outlasts_leaves ? shape.max_wide_final_lanes() : shape.max_final_lanes();
+  while (lanes * 2 <= most && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms) lanes *= 2;
   return lanes;
 }
 
@@ -319,6 +321,24 @@ bool lone_root_beside(const Plan& plan, int64_t num_computed, const PlanShape& s
   return programs <= shape.num_sms;
 }
 
+// Whether the plan's partial launches are estimated to take longer than its final launch at its
+// lanes now (partial_launch_us(), last_launch_us()).
+bool root_outlasts_leaves(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
+  double partial = 0;
+  for (const ItemList& list : plan.items) partial += partial_launch_us(list, tree, shape);
+  return partial > last_launch_us(plan, tree, shape);
+}
+
+// final_lanes() for `plan` (its lists made): at the narrow tile's lanes first (set in
+// plan.final_lanes, which last_launch_us() reads), whose final launch the lone root must
+// outlast for the wide tile.
+int64_t planned_lanes(Plan& plan, const SegmentTree& tree, const PlanShape& shape, int64_t num_computed) {
+  bool beside = lone_root_beside(plan, num_computed, shape);
+  plan.final_lanes = final_lanes(tree.num_rows(), shape, beside, false);
+  bool outlasts = beside && plan.final_lanes == shape.max_final_lanes() && root_outlasts_leaves(plan, tree, shape);
+  return outlasts ? final_lanes(tree.num_rows(), shape, true, true) : plan.final_lanes;
+}
+
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
 // own row tile, or every range in the wide one (`one_tile`).
 Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,
@@ -384,9 +404,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   make_items(p, chunk_block_m, shape.group(), &p.items);
   p.decode = runs_as_decode(p.separate_merge, p.num_entries, options.final_lanes != 0);
   if (!p.separate_merge && !p.decode)
-    p.final_lanes = options.final_lanes
-                        ? options.final_lanes
-                        : final_lanes(tree.num_rows(), shape, lone_root_beside(p, r.num_computed, shape));
+    p.final_lanes = options.final_lanes ? options.final_lanes : planned_lanes(p, tree, shape, r.num_computed);
   p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
                                                                 : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);
@@ -410,10 +428,10 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
   Status st = check_shape(shape);
   if (!st.ok()) return st;
   if (options.target_chunk < 0) return Status::Error(Code::kInvalidArgument, "target_chunk must be >= 0");
-  if (options.final_lanes < 0 || options.final_lanes > shape.max_final_lanes())
+  if (options.final_lanes < 0 || options.final_lanes > shape.max_wide_final_lanes())
     return Status::Error(Code::kInvalidArgument, "final_lanes must be 0 (chosen) or 1.." +
-                                                     std::to_string(shape.max_final_lanes()) +
-                                                     " (the narrow tile's rows over the GQA group), got " +
+                                                     std::to_string(shape.max_wide_final_lanes()) +
+                                                     " (the wide final tile's rows over the GQA group), got " +
                                                      std::to_string(options.final_lanes));
   Plan plan;
   if (!(st = build_plan(tree, shape, options, options.flat == 1, options.one_tile == 1, &plan)).ok()) return st;

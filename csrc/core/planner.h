@@ -92,6 +92,12 @@ constexpr int64_t kMinFinalProgramsPerSm = 3;
 // seed_b64/q32kv32 49.3 -> 47.3 at 8, not 4; an unpacked launch, lighter, is left alone:
 // seed_b64/q32kv8 24.0 us at one lane, 24.6 at 2).
 constexpr int64_t kPackedFinalsBesideRoot = 2;
+// Past the narrow tile, beside such a root, a packed launch takes the wide final tile's lanes
+// (PlanShape::wide_final_rows) until its programs fit there, but only where the root's launch
+// outlasts the final launch by estimated_us()'s terms: then every leaf can be walked while the
+// root computes. Where the leaves outweigh the root, the wider programs' longer walks lose
+// (H100, docs/perf.md session 23: seed_b256/q32kv8 60.4 -> 50.4 us at 8 lanes; ft_1,256/q32kv8
+// 28.9 -> 29.5, seed_b256/q32kv32 121.1 -> 128.0, ft_1,256/q32kv32 63.0 -> 72.3).
 // The last launch starts at the (last) partial launch's programs' start, not after their walks,
 // where it has work of its own before it waits: a final program walks its branches' final
 // ranges while partial programs still run, and waits only before its merge. tree_merge has
@@ -116,10 +122,17 @@ struct PlanShape {
   // The compiled tree_partial row tiles: nodes of at most block_ms[0] (branch, head) rows
   // take the narrow tile, others the wide one.
   std::array<int64_t, 2> block_ms = {16, 64};
+  // The packed final kernel's wide tile (rows; its own compiled kernels): more lanes than the
+  // narrow tile holds, taken only beside a lone root that outlasts the leaves (final_lanes()).
+  int64_t wide_final_rows = 32;
 
   int64_t group() const { return num_qo_heads / num_kv_heads; }
   // Branches one final-kernel program can serve: its narrow tile's rows over the group.
   int64_t max_final_lanes() const { return std::max<int64_t>(1, block_ms[0] / group()); }
+  // ... and in the wide final tile (packed programs only: at least two lanes).
+  int64_t max_wide_final_lanes() const { return std::max(max_final_lanes(), wide_final_rows / group()); }
+  // The final tile's rows at `lanes` lanes: the narrow tile's while they fit it.
+  int64_t final_block_m(int64_t lanes) const { return lanes * group() <= block_ms[0] ? block_ms[0] : wide_final_rows; }
   // Final-kernel programs per branch (per lane when packed): the group's narrow tiles.
   int64_t final_tiles() const { return num_kv_heads * ceil_div(group(), block_ms[0]); }
   int64_t kv_bytes_per_token() const { return 2 * num_kv_heads * head_dim * dtype_bytes; }
@@ -132,7 +145,7 @@ struct PlanOptions {
   double reread_weight = kRereadWeight;
   int separate_merge = -1;   // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
   int flat = -1;             // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
-  int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_final_lanes()
+  int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_wide_final_lanes()
   int one_tile = -1;         // -1: by estimated_us() (above); 0: each range's own tile; 1: all wide
   int early_final = -1;      // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
 };
@@ -204,8 +217,9 @@ int64_t chunk_length(int64_t length, int64_t target);
 int64_t partial_waves(int64_t num_computed, bool separate_merge);
 bool merge_separately(int64_t longest_final_walk, bool adds_launch);
 // Branches per final-kernel program; `beside_root`: the plan's partial launch is a lone root of
-// at most one program per SM (kPackedFinalsBesideRoot).
-int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root);
+// at most one program per SM (kPackedFinalsBesideRoot); `root_outlasts_leaves`: that launch is
+// estimated to take longer than the final launch at the narrow tile's lanes (the wide tile).
+int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool root_outlasts_leaves);
 bool final_starts_early(bool separate_merge);
 // Whether a plan's final launch is a paged decode: it computes no node and splits no range (no
 // partial entries), so each final range is a whole branch with nothing to merge, and the lanes

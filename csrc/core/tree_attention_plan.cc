@@ -88,6 +88,7 @@ Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, cons
   plan_shape.num_sms = ctx.num_sms();
   if (!(st = ctx.rules().constant("tree_block_m_narrow", &plan_shape.block_ms[0])).ok()) return st;
   if (!(st = ctx.rules().constant("tree_block_m_wide", &plan_shape.block_ms[1])).ok()) return st;
+  if (!(st = ctx.rules().constant("tree_final_block_m_wide", &plan_shape.wide_final_rows)).ok()) return st;
   if (!(st = make_plan(p->tree_, plan_shape, PlanOptions(), &p->plan_)).ok()) return st;
 
   int64_t longest = 0;
@@ -148,6 +149,15 @@ Status TreeAttentionPlan::pick_kernels() {
   return pick_final_kernel();
 }
 
+// The rule list of the final launch: a packed program (several lanes) has its own, one per
+// final tile (dispatch.tree_final_kernel).
+const char* TreeAttentionPlan::final_kernel() const {
+  if (plan_.decode) return "paged_decode/";
+  if (plan_.final_lanes == 1) return "tree_final/";
+  bool wide = plan_shape_.final_block_m(plan_.final_lanes) > plan_shape_.block_ms[0];
+  return wide ? "tree_final_packed_wide/" : "tree_final_packed/";
+}
+
 // By the longest final range, which grows with the leaves: picked again on each update. A
 // packed program walks its lanes' ranges side by side.
 Status TreeAttentionPlan::pick_final_kernel() {
@@ -155,8 +165,8 @@ Status TreeAttentionPlan::pick_final_kernel() {
   int64_t longest = 0;
   for (size_t b = 0; b < lengths_.size(); ++b)
     longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
-  const char* kernel = plan_.decode ? "paged_decode/" : plan_.final_lanes > 1 ? "tree_final_packed/" : "tree_final/";
-  return ctx_.pick(ctx_.addressing_rule_key(kernel + shape_.rule_suffix(), shape_.block_size), longest * plan_.final_lanes,
+  return ctx_.pick(ctx_.addressing_rule_key(final_kernel() + shape_.rule_suffix(), shape_.block_size),
+                   longest * plan_.final_lanes,
                    final_programs() * plan_shape_.final_tiles(), &last_kernel_);
 }
 

@@ -222,12 +222,14 @@ fr::SegmentTree tree_from_python(const py::object& tree) {
 }
 
 py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
-              int64_t dtype_bytes, int64_t num_sms, std::array<int64_t, 2> block_ms, int64_t target_chunk,
+              int64_t dtype_bytes, int64_t num_sms, std::array<int64_t, 2> block_ms, int64_t wide_final_rows,
+              int64_t target_chunk,
               double reread_weight, int separate_merge, int flat, int64_t final_lanes, int one_tile,
               int early_final) {
   fr::PlanShape shape;
   shape.num_qo_heads = num_qo_heads, shape.num_kv_heads = num_kv_heads, shape.head_dim = head_dim;
   shape.dtype_bytes = dtype_bytes, shape.num_sms = num_sms, shape.block_ms = block_ms;
+  shape.wide_final_rows = wide_final_rows;
   fr::PlanOptions options;
   options.target_chunk = target_chunk, options.reread_weight = reread_weight;
   options.separate_merge = separate_merge, options.flat = flat, options.final_lanes = final_lanes;
@@ -330,7 +332,8 @@ PYBIND11_MODULE(_launcher, m) {
         "The segment tree the C ABI reads from block tables (row i's table: tables[rows[i]], default "
         "tables[i]); None when some token lies in unwritten_block.");
   m.def("plan", &plan, py::arg("tree"), py::arg("num_qo_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-        py::arg("dtype_bytes"), py::arg("num_sms"), py::arg("block_ms"), py::arg("target_chunk") = 0,
+        py::arg("dtype_bytes"), py::arg("num_sms"), py::arg("block_ms"), py::arg("wide_final_rows"),
+        py::arg("target_chunk") = 0,
         py::arg("reread_weight") = fr::kRereadWeight, py::arg("separate_merge") = -1,
         py::arg("flat") = -1, py::arg("final_lanes") = 0, py::arg("one_tile") = -1,
         py::arg("early_final") = -1,

@@ -42,20 +42,26 @@ MAX_SPLITS = 64
 
 #: Query-row tiles of ``tree_partial``: a node's (branch, head) rows fill tiles of one size.
 TREE_BLOCK_MS = (16, 64)
+#: The packed final kernel's wide tile (rows): more lanes than the narrow tile's BLOCK_M
+#: holds, planned beside a lone root that outlasts the leaves (``planner``).
+FINAL_WIDE_BLOCK_M = 32
 #: (kernel, block_m) of every rule list of one dtype and head_dim: ``paged_decode`` (one
 #: program per sequence and GQA tile), ``paged_decode_split`` (a split decode: few programs),
-#: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``)
-#: and ``tree_partial`` (a list per query-row tile). A rule list
+#: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``),
+#: ``tree_final_packed_wide`` (as many as :data:`FINAL_WIDE_BLOCK_M` rows hold) and
+#: ``tree_partial`` (a list per query-row tile). A rule list
 #: (``tuning_table.Rules``) gives a config by the launch's programs per SM and the most tokens
 #: one program walks; the manifest exports the same lists.
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None),
-              ("tree_final_packed", None)) + \
+              ("tree_final_packed", None), ("tree_final_packed_wide", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 #: The kernel family and the specialization keys each rule list's kernel stands for.
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                    "paged_decode_split": ("paged_decode", {"SPLIT": 1}),
                    "tree_final": ("tree_final", {"PACKED": 0}),
-                   "tree_final_packed": ("tree_final", {"PACKED": 1}),
+                   "tree_final_packed": ("tree_final", {"PACKED": 1, "BLOCK_M": BLOCK_M}),
+                   "tree_final_packed_wide": ("tree_final", {"PACKED": 1,
+                                                             "BLOCK_M": FINAL_WIDE_BLOCK_M}),
                    "tree_partial": ("tree_partial", {})}
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
@@ -75,6 +81,12 @@ HEAD_DIM_256_CONFIG = (64, 8, 2)
 #: 8 KV heads at 4 lanes: 33.9 us at 64/2/2, 37.1 at 32/2/2, 38.9 at 128/4/2; head_dim 256
 #: 69.8 at 32/4/2, 87.6 at 64/8/2; docs/perf.md session 11).
 PACKED_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
+#: The wide packed tile: a 32-token KV tile (a token per lane at least: BLOCK_N >= its rows),
+#: three stages, two warps (H100, 256 leaves of 64 tokens x 8 KV heads beside a 2048-token
+#: root at 8 lanes: 50.4 us at 32/2/3, 56.1 at 64/2/2, 62.6 at 32/4/3, 71.2 at 32/4/2; its 255
+#: registers spill 12 at 2 warps, none at 4; docs/perf.md session 23). head_dim 64 takes the
+#: same, 256 the narrow tile's config (neither measured).
+PACKED_WIDE_FINAL_CONFIGS = {64: (32, 2, 3), 128: (32, 2, 3), 256: (32, 4, 2)}
 
 
 def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
@@ -90,6 +102,8 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
         return _any_launch(HEAD_DIM_256_CONFIG if head_dim == 256 else (64, 4, 3))
     if kernel == "tree_final_packed":
         return _any_launch(PACKED_FINAL_CONFIGS[head_dim])
+    if kernel == "tree_final_packed_wide":
+        return _any_launch(PACKED_WIDE_FINAL_CONFIGS[head_dim])
     if head_dim == 256:
         return _any_launch(HEAD_DIM_256_CONFIG)
     if kernel == "paged_decode_split":
@@ -286,14 +300,17 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
 
 @functools.lru_cache(maxsize=None)
 def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
-                    packed: bool = False, page_size: int = 0) -> Spec:
+                    packed: bool = False, page_size: int = 0, wide: bool = False) -> Spec:
     """One branch's GQA group per program, like the decode kernel, or (``packed``) the groups
-    of several branches."""
+    of several branches, in the narrow tile or (``wide``) :data:`FINAL_WIDE_BLOCK_M` rows."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    block_n, warps, stages = config or config_for(tree_final_kernel(packed), dtype, head_dim,
-                                                  arch)
-    return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+    if wide and not packed:
+        raise ValueError("the wide final tile is packed: one branch's group fits the narrow one")
+    kernel = tree_final_kernel(packed, wide)
+    block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
+    return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim,
+                     BLOCK_M=RULE_LIST_SPECS[kernel][1].get("BLOCK_M", BLOCK_M),
                      BLOCK_N=block_n, PACKED=int(packed), PAGE=compiled_page(page_size),
                      PDL=grid_dependency(arch))
 
@@ -307,16 +324,24 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
         _check_contiguous(kernel)
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, contiguous)
-    if kernel in (tree_final_kernel(False), tree_final_kernel(True)):
-        return tree_final_spec(dtype, head_dim, arch, config, kernel == tree_final_kernel(True),
-                               page_size)
+    if kernel.startswith("tree_final"):
+        return tree_final_spec(dtype, head_dim, arch, config, kernel != "tree_final", page_size,
+                               kernel == "tree_final_packed_wide")
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config, page_size)
 
 
-def tree_final_kernel(packed: bool) -> str:
+def tree_final_kernel(packed: bool, wide: bool = False) -> str:
     """The rule list of a ``tree_final`` launch: packed programs (several branches each) have
-    their own."""
-    return "tree_final_packed" if packed else "tree_final"
+    their own, one per final tile."""
+    if not packed:
+        return "tree_final"
+    return "tree_final_packed_wide" if wide else "tree_final_packed"
+
+
+def final_tile_is_wide(lanes: int, group: int) -> bool:
+    """Whether ``lanes`` GQA groups of ``group`` rows take the wide final tile
+    (``PlanShape::final_block_m``, csrc/core/planner.h)."""
+    return lanes * group > BLOCK_M
 
 
 def rule_kernel(spec: Spec) -> str:
@@ -390,7 +415,8 @@ def dispatch_rules(arch: str) -> dict:
                 named = tuple((per_sm, bound, spec.name) for per_sm, bound, spec in rule_list)
                 rules_out[key] = [list(rule) for rule in tuning_table.simplify(named)]
     constants = {"block_m": BLOCK_M, "tree_block_m_narrow": TREE_BLOCK_MS[0],
-                 "tree_block_m_wide": TREE_BLOCK_MS[1], "merge_block_s": MERGE_BLOCK_S,
+                 "tree_block_m_wide": TREE_BLOCK_MS[1],
+                 "tree_final_block_m_wide": FINAL_WIDE_BLOCK_M, "merge_block_s": MERGE_BLOCK_S,
                  "append_block": APPEND_BLOCK, "min_tokens_per_split": MIN_TOKENS_PER_SPLIT,
                  "max_splits": MAX_SPLITS}
     return {"rules": rules_out, "constants": constants}

@@ -19,7 +19,8 @@ runs. A plan with no partials at all (nothing computed, nothing split) is a page
 runs ``paged_decode``'s kernel. Where the GQA group leaves rows of the final kernel's tile
 free, one final program serves ``final_lanes`` branches (a power of two, while 3 programs per
 SM remain; beside a lone root of one program per SM, until every packed program fits two per
-SM beside it) and walks their final ranges side by side. The final (or merge) launch starts
+SM beside it, in the wide final tile's rows where the root is estimated to outlast the final
+launch) and walks their final ranges side by side. The final (or merge) launch starts
 while the last partial launch runs: a final kernel at its programs' start (``early_final``:
 it walks its own ranges before it waits for the partials), a merge kernel after their walks
 (it has nothing to do before its wait). A plan that merges separately over both row tiles is
@@ -109,7 +110,7 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
     ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` override the
     cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds, ``True`` folds
-    every node; ``final_lanes`` from 1 to the narrow tile's 16 rows over the GQA group;
+    every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the GQA group;
     ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
     ``early_final=True`` starts the last launch early even where the plan merges separately; a
     plan without partial launches never does). ``ValueError``
@@ -119,6 +120,7 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
     try:
         raw = _launcher.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
+                             dispatch.FINAL_WIDE_BLOCK_M,
                              target_chunk or 0, reread_weight,
                              _tristate(separate_merge), _tristate(flat),
                              final_lanes or 0, _tristate(one_tile), _tristate(early_final))

@@ -128,8 +128,8 @@ def compiled_configs(manifest: dict, key: str) -> list[Config]:
     """The (BLOCK_N, warps, stages) configs compiled for rule list ``key``."""
     kernel, dtype, head_dim, *block_m = key.split("/")
     family, wanted = dispatch.RULE_LIST_SPECS[kernel]
-    wanted = {**wanted, "dtype": dtype, "HEAD_DIM": int(head_dim)}
-    wanted["BLOCK_M"] = int(block_m[0]) if block_m else dispatch.BLOCK_M
+    wanted = {"BLOCK_M": int(block_m[0]) if block_m else dispatch.BLOCK_M, **wanted,
+              "dtype": dtype, "HEAD_DIM": int(head_dim)}
     return sorted({(k["key"]["BLOCK_N"], k["num_warps"], k["num_stages"])
                    for k in manifest["kernels"] if k["kernel"] == family
                    and all(k["key"].get(name) == value for name, value in wanted.items())})

@@ -208,10 +208,11 @@ class TreeAttentionPlan:
         if self.arrays.decode:
             templates.append(self._decode_template(dtype, grid, final_tokens, paged))
             return templates
-        final_config = self._config(dispatch.tree_final_kernel(lanes > 1), dtype, final_tokens,
-                                    math.prod(grid))
+        wide = dispatch.final_tile_is_wide(lanes, self.num_qo_heads // kv_heads)
+        final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide), dtype,
+                                    final_tokens, math.prod(grid))
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
-                                                   lanes > 1, self.allocator.block_size),
+                                                   lanes > 1, self.allocator.block_size, wide),
                           grid,
                           paged + (self._order, self._final_start, self._merge_ptr,
                                    self.partial_out, self.partial_lse, "out") + scalars
