@@ -131,8 +131,11 @@ struct PlanShape {
   int64_t max_final_lanes() const { return std::max<int64_t>(1, block_ms[0] / group()); }
   // ... and in the wide final tile (packed programs only: at least two lanes).
   int64_t max_wide_final_lanes() const { return std::max(max_final_lanes(), wide_final_rows / group()); }
-  // The final tile's rows at `lanes` lanes: the narrow tile's while they fit it.
-  int64_t final_block_m(int64_t lanes) const { return lanes * group() <= block_ms[0] ? block_ms[0] : wide_final_rows; }
+  // The final tile's rows at `lanes` lanes: the narrow tile's while they fit it (one lane is
+  // never packed: a group larger than the narrow tile takes several of them, final_tiles()).
+  int64_t final_block_m(int64_t lanes) const {
+    return lanes == 1 || lanes * group() <= block_ms[0] ? block_ms[0] : wide_final_rows;
+  }
   // Final-kernel programs per branch (per lane when packed): the group's narrow tiles.
   int64_t final_tiles() const { return num_kv_heads * ceil_div(group(), block_ms[0]); }
   int64_t kv_bytes_per_token() const { return 2 * num_kv_heads * head_dim * dtype_bytes; }
