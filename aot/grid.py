@@ -59,7 +59,7 @@ def candidate_specs(arch: str) -> list[Spec]:
 def serves_every_lane(kernel: str, rows: int, config: tuple[int, int, int]) -> bool:
     """A packed final program's KV tile holds a token of each lane at least (one lane per row
     at GQA group 1): BLOCK_N >= its rows."""
-    return not kernel.startswith("tree_final_packed") or config[0] >= rows
+    return not dispatch.RULE_LIST_SPECS[kernel][1].get("PACKED") or config[0] >= rows
 
 
 def fits_shared_memory(arch: str, head_dim: int, block_m: int,

@@ -46,7 +46,9 @@ def explore(case, configs=True):
     if auto.arrays.separate_merge:
         print(f"{name:28} merges separately: no final launch", flush=True)
         return
-    most = max(1, dispatch.FINAL_WIDE_BLOCK_M // (heads // case["num_kv_heads"]))
+    group = heads // case["num_kv_heads"]
+    narrow, most = (max(1, rows // group) for rows in (dispatch.BLOCK_M,
+                                                        dispatch.FINAL_WIDE_BLOCK_M))
     plans = {lanes: TreeAttentionPlan(alloc, leaves, heads, final_lanes=lanes)
              for lanes in (1, 2, 4, 8, 16, 32) if lanes <= most}
     whole = timing.median_us_each({lanes: (lambda p=p: p.run(q, 0, out))
@@ -58,7 +60,7 @@ def explore(case, configs=True):
     print(f"{name:28} auto L{auto.arrays.final_lanes} | whole "
           + " ".join(f"L{k}:{v:.1f}" for k, v in whole.items()) + " | final "
           + " ".join(f"L{k}:{v:.1f}" for k, v in final_us.items()), flush=True)
-    lanes = max(k for k in plans if 1 < k <= most // 2) if len(plans) > 2 else None
+    lanes = max((k for k in plans if 1 < k <= narrow), default=None)  # the narrow tile's
     if lanes is None or not configs:
         return
     launch = finals[lanes]

@@ -63,12 +63,9 @@ def test_packed_final_programs_have_their_own_rules(no_tables):
 
 
 def test_the_wide_final_tile_has_its_own_rules(no_tables):
-    """Lanes past the narrow tile's rows take the wide packed tile: its own rule list, a spec
-    of FINAL_WIDE_BLOCK_M rows, a KV tile that holds a token of each lane at least (one lane
-    per row at GQA group 1), and no unpacked form."""
-    assert [dispatch.final_tile_is_wide(lanes, 4) for lanes in (1, 4, 5, 8)] == \
-        [False, False, True, True]
-    assert not dispatch.final_tile_is_wide(1, 32)  # unpacked: two narrow tiles per KV head
+    """The wide packed tile: its own rule list, a spec of FINAL_WIDE_BLOCK_M rows, a KV tile
+    that holds a token of each lane at least (one lane per row at GQA group 1), and no
+    unpacked form."""
     for head_dim in dispatch.HEAD_DIMS:
         config = dispatch.config_for("tree_final_packed_wide", "float16", head_dim, "sm90", 64)
         assert config == dispatch.PACKED_WIDE_FINAL_CONFIGS[head_dim]

@@ -277,6 +277,22 @@ def test_a_lone_root_that_outlasts_the_leaves_takes_the_wide_final_tile(root, le
     arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
     assert (arrays.final_lanes, arrays.stats["computed_nodes"]) == (lanes, 1)
     assert sum(arrays.stats["partial_programs"].values()) <= H100["num_sms"]
+    group = case["num_qo_heads"] // kv_heads
+    assert arrays.final_block_m == (32 if lanes * group > 16 else 16)
+
+
+@pytest.mark.parametrize("heads, lanes, block_m", [(32, 1, 16), (32, None, 16), (16, 2, 32),
+                                                   (4, 8, 32), (4, 4, 16)])
+def test_the_final_tile_holds_packed_lanes_only(heads, lanes, block_m):
+    """The planner names the final tile's rows: the wide tile's only where packed lanes (more
+    than one) overflow the narrow one; a GQA group of 32 at one lane takes two narrow tiles per
+    KV head, never the wide one."""
+    alloc = PhysicalKVAllocator(64, 16, 1, 64, device="cpu")
+    root = alloc.alloc_branch(256).branch_id
+    ids = [alloc.alloc_branch(300, parent_branch_id=root, fork_position=256).branch_id
+           for _ in range(8)]
+    arrays = plan_for(alloc, ids, heads, separate_merge=False, final_lanes=lanes)[1]
+    assert (arrays.final_lanes, arrays.final_block_m) == (lanes or 1, block_m)
 
 
 @pytest.mark.parametrize("name, early", [
@@ -429,7 +445,7 @@ def test_contiguous_launches_need_closed_shared_ranges_in_consecutive_pages(reco
         *[None] * 8, items={64: np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))},
         final_start=np.array([32, 16], np.int32), merge_ptr=None, entry_slot=None,
         num_entries=0, work=None, work_offsets=None, separate_merge=False, final_lanes=1,
-        early_final=False, decode=False)
+        final_block_m=16, early_final=False, decode=False)
     assert planner.contiguous_launches(arrays, mirror, rows, 8) == {64: expected}
 
 

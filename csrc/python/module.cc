@@ -258,6 +258,7 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["chunk_tokens"] = p.chunk_tokens;
   d["separate_merge"] = p.separate_merge;
   d["final_lanes"] = p.final_lanes;
+  d["final_block_m"] = shape.final_block_m(p.final_lanes);
   d["decode"] = p.decode;
   d["early_final"] = p.early_final;
   d["estimated_us"] = p.estimated_us;

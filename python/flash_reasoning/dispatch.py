@@ -338,13 +338,6 @@ def tree_final_kernel(packed: bool, wide: bool = False) -> str:
     return "tree_final_packed_wide" if wide else "tree_final_packed"
 
 
-def final_tile_is_wide(lanes: int, group: int) -> bool:
-    """Whether ``lanes`` GQA groups of ``group`` rows take the wide final tile
-    (``PlanShape::final_block_m``, csrc/core/planner.h): packed lanes past the narrow tile's
-    rows. One lane is never packed: a group larger than the narrow tile takes several."""
-    return lanes > 1 and lanes * group > BLOCK_M
-
-
 def rule_kernel(spec: Spec) -> str:
     """The kernel of the rule list that picks ``spec`` (:data:`RULE_LIST_SPECS`)."""
     return next(kernel for kernel, (family, key) in RULE_LIST_SPECS.items()

@@ -74,7 +74,8 @@ class PlanArrays:
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
-    packed kernel, when above 1; row ``p`` otherwise); ``early_final``: each partial launch
+    packed kernel, when above 1; row ``p`` otherwise), in a tile of ``final_block_m`` rows (the
+    wide packed tile's where its lanes need it); ``early_final``: each partial launch
     lets the launch after it start at its programs' start, not after their walks. ``decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
@@ -98,6 +99,7 @@ class PlanArrays:
     work_offsets: np.ndarray
     separate_merge: bool
     final_lanes: int
+    final_block_m: int
     early_final: bool
     decode: bool
     stats: dict = field(default_factory=dict)

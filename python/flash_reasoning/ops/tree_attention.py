@@ -208,7 +208,7 @@ class TreeAttentionPlan:
         if self.arrays.decode:
             templates.append(self._decode_template(dtype, grid, final_tokens, paged))
             return templates
-        wide = dispatch.final_tile_is_wide(lanes, self.num_qo_heads // kv_heads)
+        wide = self.arrays.final_block_m != dispatch.BLOCK_M
         final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide), dtype,
                                     final_tokens, math.prod(grid))
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
