@@ -128,6 +128,8 @@ def test_no_sharing_splits_a_lone_long_branch():
     ("long_1,4/q16kv1", True),     # a 32768-token root in 128 chunks: 128 partials to fold
     ("seed_b1/q32kv8", True),      # one branch: its last 192 tokens, then 6 partials
     ("flat_64x2048/q32kv8", False),  # no partials: the final kernel does everything
+    ("ft_1,10/q32kv8", True),      # 80 final programs fold 17 partials: too few to fill the GPU
+    ("long_1,4/q32kv32", False),   # 128 final programs: enough to fold their partials side by side
 ])
 def test_merges_separately_when_a_final_walk_is_long(name, separate):
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
@@ -207,16 +209,18 @@ def test_estimated_time_counts_launches_and_steps():
 
 @pytest.mark.parametrize("branches, heads, kv_heads, lanes", [
     (256, 32, 8, 4),    # group 4: four branches fill the 16-row tile; 512 programs remain
-    (128, 32, 8, 2),    # four lanes would leave 256 programs, under 3 per SM
-    (64, 32, 8, 1),
-    (256, 32, 32, 16),  # group 1: sixteen
+    (128, 32, 8, 4),    # 256 programs: still one per SM
+    (64, 32, 8, 1),     # four lanes would leave 128 programs, under one per SM; two are never taken
+    (64, 32, 32, 8),    # group 1: 256 programs at eight lanes; sixteen would leave 128
+    (256, 32, 32, 16),  # sixteen fill the tile
+    (512, 32, 4, 1),    # group 8: the tile holds two lanes, which are never taken
     (256, 16, 1, 1),    # group 16 fills the tile alone
     (256, 24, 8, 4),    # group 3: five fit, the power of two below is taken
 ])
 def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_heads, lanes):
     """Final-kernel programs serve as many branches as the narrow tile's rows hold over the
-    GQA group (a power of two), while at least 3 programs per SM remain. (Two computed roots:
-    a lone one takes lanes by its own rule, below.)"""
+    GQA group (a power of two, at least kMinPackedLanes = 4), while at least one program per SM
+    remains. (Two computed roots: a lone one takes lanes by its own rule, below.)"""
     alloc = PhysicalKVAllocator(2 * branches + 16, 16, kv_heads, 64, device="cpu")
     roots = [alloc.alloc_branch(256).branch_id for _ in range(2)]
     ids = [alloc.alloc_branch(272, parent_branch_id=roots[i % 2], fork_position=256).branch_id

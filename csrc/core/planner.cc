@@ -230,15 +230,17 @@ int64_t chunk_length(int64_t length, int64_t target) {
   return std::max(kChunkAlign, ceil_div(per_piece, kChunkAlign) * kChunkAlign);
 }
 
-bool merge_separately(int64_t longest_final_walk, bool adds_launch) {
+bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t final_programs, int64_t num_sms) {
+  if (double(final_programs) >= kMergeInFinalProgramsPerSm * double(num_sms)) return false;
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
 }
 
 int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool root_outlasts_leaves) {
   auto programs = [&](int64_t lanes) { return ceil_div(rows, lanes) * shape.final_tiles(); };
   int64_t lanes = 1;
-  while (lanes * 2 <= shape.max_final_lanes() && programs(lanes * 2) >= kMinFinalProgramsPerSm * shape.num_sms)
-    lanes *= 2;
+  for (int64_t packed = kMinPackedLanes;
+       packed <= shape.max_final_lanes() && programs(packed) >= kMinFinalProgramsPerSm * shape.num_sms; packed *= 2)
+    lanes = packed;
   if (!beside_root || lanes == 1) return lanes;
   int64_t most = root_outlasts_leaves ? shape.max_wide_final_lanes() : shape.max_final_lanes();
   while (lanes * 2 <= most && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms) lanes *= 2;
@@ -363,7 +365,8 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   cut_ranges(length, p.chunk_tokens, &step, &pieces);
   p.separate_merge = options.separate_merge >= 0 ? options.separate_merge != 0
                                                  : merge_separately(longest_final_walk(tree, r, step, pieces),
-                                                                    separate_merge_adds_launch(r, block_m, pieces));
+                                                                    separate_merge_adds_launch(r, block_m, pieces),
+                                                                    tree.num_rows() * shape.final_tiles(), shape.num_sms);
   if (!options.target_chunk) {  // the chunk length the merge mode asks for, now it is known
     // Unshared branches merged separately: their chunks are all the work, and cheap to merge.
     bool unshared = p.separate_merge && !r.num_computed;

@@ -13,7 +13,8 @@
 // head) rows. A final-kernel program walks its range's KV tiles, then folds its branch's
 // partials one after another, a dependent round trip each, after the partial launch is done.
 // Once some program's walk is kSeparateMergeSteps long (kLaunchSteps more if that takes a
-// partial launch of one more tile size) the plan *merges separately*: every
+// partial launch of one more tile size), and the final launch is too small to fill the GPU
+// (kMergeInFinalProgramsPerSm), the plan *merges separately*: every
 // chunk of every final range is a partial item too (the last one open: it reads to its
 // branch's length on the device), so they run in parallel, and a merge kernel folds each
 // (branch, head) row's partials in vectorised blocks, with no final kernel.
@@ -64,6 +65,15 @@ constexpr int64_t kChunkAlign = 64;
 // launch of narrow leaf items 9 us).
 constexpr int64_t kSeparateMergeSteps = 8;
 constexpr int64_t kLaunchSteps = 4;
+// ... but a final launch of at least this many programs per SM (its rows x final tiles) keeps
+// its merge whatever its walk: started early, its programs walk their own ranges beside the
+// partial launch and fold their partials side by side, where a separate merge would write and
+// read every final chunk's partial and add a launch (H100, docs/perf.md session 24: over 107
+// root-and-leaves trees and cases the regret against the faster mode fell from 24 trees over
+// 3% to 12; long_1,4/q32kv32 194.8 -> 182.9 us, 16 leaves of 400 under a 4096-token root at
+// q32kv32 78.7 -> 69.2; below it, 10 such leaves at q32kv8 keep the separate merge, 28.7
+// against 34.3).
+constexpr double kMergeInFinalProgramsPerSm = 0.75;
 // estimated_us()'s model of a launch: a fixed cost, then the longer of its serial steps (a
 // program's KV tiles and partials, times its waves) and its HBM traffic. Fitted on the H100
 // (docs/perf.md session 10: the cases file planned both ways; it picks the faster plan on
@@ -80,9 +90,14 @@ constexpr int64_t kMergeSlotsPerStep = 16;
 // Final-kernel lanes: a GQA group of at most half the narrow tile leaves rows free, which the
 // groups of further branches fill (a packed program walks their final ranges side by side).
 // Fewer, longer programs keep more loads in flight; final_lanes() takes the most lanes, a power
-// of two, that leave kMinFinalProgramsPerSm programs per SM (H100, docs/perf.md session 11:
-// 256 leaves of 64 tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes; 64 leaves lose at 2).
-constexpr int64_t kMinFinalProgramsPerSm = 3;
+// of two and at least kMinPackedLanes, that leave kMinFinalProgramsPerSm programs per SM. Two
+// lanes rarely pay: they were the fastest count on 4 of 73 trees whose tile holds four, by at
+// most 3.4%, and at group 8, where the tile holds two, at most 4.6% faster than one lane and
+// up to 15% slower (H100, docs/perf.md session 24: 96 trees of 16-512 leaves at GQA groups
+// 1-8; ft_1,16,64/q32kv32 62.0 -> 53.5 us at 8 lanes, not 4; session 11: 256 leaves of 64
+// tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes).
+constexpr int64_t kMinFinalProgramsPerSm = 1;
+constexpr int64_t kMinPackedLanes = 4;
 // Packed final programs (240 registers x 2 warps, 39 KB of shared memory) that fit on an SM
 // beside one root program (64 rows: ~26K registers, 112 KB). Beside a lone root cut for one
 // program per SM (kLoneRootWaves), a final launch started early walks the leaves of only that
@@ -218,7 +233,8 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
 int64_t partial_waves(int64_t num_computed, bool separate_merge);
-bool merge_separately(int64_t longest_final_walk, bool adds_launch);
+// `final_programs`: the final launch's programs at one lane (rows x PlanShape::final_tiles()).
+bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t final_programs, int64_t num_sms);
 // Branches per final-kernel program; `beside_root`: the plan's partial launch is a lone root of
 // at most one program per SM (kPackedFinalsBesideRoot); `root_outlasts_leaves`: that launch is
 // estimated to take longer than the final launch at the narrow tile's lanes (the wide tile).

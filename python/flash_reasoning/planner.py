@@ -12,13 +12,14 @@ its path and writes the output. Long ranges (computed nodes and final ranges) ar
 chunks so the grid fills the GPU; every chunk but a final range's last one becomes a partial
 work item, tiled over its (branch, query head) rows. A final-kernel program walks its range's
 KV tiles, then folds its branch's partials one after another; a plan where some program's walk
-is ``SEPARATE_MERGE_STEPS`` long *merges separately* instead: every chunk of every final range
+is ``SEPARATE_MERGE_STEPS`` long, and whose final launch is too small to fill the GPU,
+*merges separately* instead: every chunk of every final range
 is a partial item (the last one *open*: it reads to its branch's length at run time), and a
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
 runs. A plan with no partials at all (nothing computed, nothing split) is a paged decode and
 runs ``paged_decode``'s kernel. Where the GQA group leaves rows of the final kernel's tile
-free, one final program serves ``final_lanes`` branches (a power of two, while 3 programs per
-SM remain; beside a lone root of one program per SM, until every packed program fits two per
+free, one final program serves ``final_lanes`` branches (1, or a power of two from 4, while one
+program per SM remains; beside a lone root of one program per SM, until every packed program fits two per
 SM beside it, in the wide final tile's rows where the root is estimated to outlast the final
 launch) and walks their final ranges side by side. The final (or merge) launch starts
 while the last partial launch runs: a final kernel at its programs' start (``early_final``:
