@@ -45,7 +45,8 @@ FAMILIES = {
                            for leaf in (16, 32, 64, 128)]),
     "chunks": (("chunk", "separate"), [level_case((1, n), (root, leaf), kv)
                                        for kv in (32, 8) for n in (1, 4, 10, 16, 64)
-                                       for root in (1024, 2048, 4096, 32768) for leaf in (64, 400)]),
+                                       for root in (1024, 2048, 4096, 32768)
+                                       for leaf in (64, 400)]),
 }
 
 
@@ -83,7 +84,9 @@ def explore(name, case, runs, regrets, margin, knobs=KNOBS):
     auto = times["auto"]
     best = min(times, key=times.get)
     arrays = plans["auto"].arrays
-    print(f"{name:24} auto(L{arrays.final_lanes},c{arrays.stats['chunk_tokens']}) {auto:7.1f} | best {best} {times[best]:7.1f} ({times[best] / auto - 1:+.1%}) | "
+    planned = f"auto(L{arrays.final_lanes},c{arrays.stats['chunk_tokens']})"
+    print(f"{name:24} {planned} {auto:7.1f} | best {best} {times[best]:7.1f} "
+          f"({times[best] / auto - 1:+.1%}) | "
           + " ".join(f"{k}:{v:.1f}" for k, v in times.items() if k != "auto"), flush=True)
     if times[best] < auto * (1 - margin):
         regrets.append((name, auto, best, times[best]))
