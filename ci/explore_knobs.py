@@ -27,14 +27,10 @@ KNOBS = (("chunk", "target_chunk", (64, 128, 256, 512, 1024, 2048)),
 GROUPS_KV_HEADS = (32, 16, 8, 4)  # 32 query heads: GQA groups 1, 2, 4, 8
 
 
-def level_case(nodes, tokens, num_kv_heads, num_qo_heads=32, head_dim=128):
-    """A tree of the cases file's form: level ``i`` holds ``nodes[i]`` nodes of ``tokens[i]``."""
-    return {"name": f"{','.join(map(str, nodes))}x{','.join(map(str, tokens))}/q{num_qo_heads}"
-                    f"kv{num_kv_heads}",
-            "nodes_per_level": list(nodes), "tokens_per_level": list(tokens),
-            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "dtype": "float16", "branches": nodes[-1],
-            "unique_tokens": sum(n * t for n, t in zip(nodes, tokens))}
+def level_case(nodes, tokens, num_kv_heads):
+    """A family's tree (``bench.level_case``), named by its levels, 32 query heads."""
+    name = f"{','.join(map(str, nodes))}x{','.join(map(str, tokens))}/q32kv{num_kv_heads}"
+    return bench.level_case(name, nodes, tokens, num_kv_heads=num_kv_heads)
 
 
 #: name -> (knob labels, trees). lanes: leaves under two computed nodes (ft_1,2,64's shape);

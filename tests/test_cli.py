@@ -68,6 +68,16 @@ def test_seed_table_keeps_reference_times_and_adds_missing_batches():
     assert by_name["seed_b128/q32kv8"]["unique_tokens"] == 2048 + 128 * 64
 
 
+def test_level_case_counts_tokens_as_the_cases_file_does():
+    """Every case of the shipped file rebuilt from its levels has the file's token counts."""
+    for case in bench.load_cases()["cases"]:
+        built = bench.level_case(case["name"], case["nodes_per_level"], case["tokens_per_level"],
+                                 case["num_qo_heads"], case["num_kv_heads"], case["head_dim"],
+                                 case["dtype"])
+        for key in ("branches", "unique_tokens", "logical_tokens"):
+            assert built[key] == case[key], (case["name"], key)
+
+
 def test_plot_from_a_json_run_or_a_message_naming_the_extra(tmp_path, capsys):
     rows = [r for b in (1, 2) for r in bench.run_case(
         bench.seed_case(b, prefix=32, leaf=8), bench.OPS, "cpu", 3, None)]

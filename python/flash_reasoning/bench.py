@@ -47,15 +47,26 @@ def load_cases(path: str | Path | None = None) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def level_case(name: str, nodes_per_level: Sequence[int], tokens_per_level: Sequence[int],
+               num_qo_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
+               dtype: str = "float16") -> dict:
+    """A tree in the cases file's format: level ``i`` holds ``nodes_per_level[i]`` nodes of
+    ``tokens_per_level[i]`` tokens, every leaf a branch whose path crosses each level once."""
+    branches = nodes_per_level[-1]
+    return {"name": name, "nodes_per_level": list(nodes_per_level),
+            "tokens_per_level": list(tokens_per_level), "num_qo_heads": num_qo_heads,
+            "num_kv_heads": num_kv_heads, "head_dim": head_dim, "dtype": dtype,
+            "branches": branches,
+            "unique_tokens": sum(n * t for n, t in zip(nodes_per_level, tokens_per_level)),
+            "logical_tokens": branches * sum(tokens_per_level)}
+
+
 def seed_case(batch: int, prefix: int = SEED_PREFIX, leaf: int = SEED_LEAF,
               num_qo_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
               dtype: str = "float16") -> dict:
     """One row of the seed's table as a case (the cases file's format)."""
-    return {"name": f"seed_b{batch}/q{num_qo_heads}kv{num_kv_heads}",
-            "nodes_per_level": [1, batch], "tokens_per_level": [prefix, leaf],
-            "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "dtype": dtype, "branches": batch, "unique_tokens": prefix + batch * leaf,
-            "logical_tokens": batch * (prefix + leaf)}
+    return level_case(f"seed_b{batch}/q{num_qo_heads}kv{num_kv_heads}", [1, batch],
+                      [prefix, leaf], num_qo_heads, num_kv_heads, head_dim, dtype)
 
 
 def table_cases(cases_file: dict | None, cpu: bool) -> list[dict]:
