@@ -2,7 +2,7 @@
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
 copies of copy-on-write, tree_partial (both tiles, closed and open items), tree_final (one
-branch per program and packed) and tree_merge (plans of both merge modes), paged_decode unsplit
+branch per program, packed, and packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
 and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
@@ -90,6 +90,28 @@ def wide_tree(count=1024):
     return alloc, ids
 
 
+def deep_tree():
+    """Three levels of 2, 4 and 8 nodes of 13 tokens (ending inside blocks, as do the forks),
+    then 4 leaves of 9 under each level-3 node; one decode step over all 32 leaves. Its flat
+    plans' packed programs read their lanes' shared ranges once (the COMMON final kernel)."""
+    gen = torch.Generator().manual_seed(3)
+    alloc = poisoned_allocator(160, 8, 128, torch.float16)
+    level = [alloc.alloc_branch(0).branch_id]
+    write(alloc, gen, level[0], 13)
+    for depth, (children, tokens) in enumerate(((2, 13), (2, 13), (2, 13), (4, 9)), start=1):
+        below = []
+        for parent in level:
+            for _ in range(children):
+                kid = alloc.alloc_branch(13 * depth, parent_branch_id=parent).branch_id
+                write(alloc, gen, kid, tokens, start=13 * depth)
+                below.append(kid)
+        for parent in level:
+            alloc.free_branch(parent)
+        level = below
+    decode_step(alloc, gen, level)
+    return alloc, level
+
+
 def shared_prefix_tree(leaves):
     """A 600-token root under ``leaves`` leaves of 40 tokens: computed once for all of them
     (4 leaves x group 4 fill the 16-row tile, 8 leaves the 64-row one)."""
@@ -112,6 +134,7 @@ class Checker:
         self.contiguous: set[int] = set()  # ... on the kernels that read one run of slots
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
         self.decode_plans = 0  # plans with no partials: one paged_decode launch
+        self.shared_plans = 0  # plans whose packed programs read a shared range once
 
     def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         if out.is_cuda:
@@ -131,16 +154,17 @@ def queries(alloc, ids, group, seed=0):
 
 
 def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,),
-               merges=(None,), lanes=(None,)) -> None:
+               merges=(None,), lanes=(None,), flat=None) -> None:
     """tree_attention in every layer (one plan per chunking, merge mode and final lanes), then
     paged_decode over the same branches unsplit and split in four (the merge kernel)."""
     q = queries(alloc, ids, group)
     refs = [reference.tree_attention(q, alloc, ids, layer) for layer in range(alloc.num_layers)]
     for chunk, merge, lane in itertools.product(chunks, merges, lanes):
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
-                                 separate_merge=merge, final_lanes=lane)
+                                 separate_merge=merge, final_lanes=lane, flat=flat)
         check.tiles.update(plan.arrays.items)
         check.contiguous.update(tile for tile, run in plan.contiguous.items() if run)
+        check.shared_plans += plan.arrays.has_common
         if plan.arrays.decode:
             check.decode_plans += 1
         elif not plan.arrays.separate_merge:
@@ -178,10 +202,11 @@ def main() -> int:
         check_tree(check, f"shared prefix x{leaves}", *shared_prefix_tree(leaves), 4,
                    chunks=(None, 64), merges=(False, True))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
+    check_tree(check, "deep, flat", *deep_tree(), 4, lanes=(None, 4, 8), flat=True)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
           f"tiles run: {sorted(check.tiles)} (contiguous: {sorted(check.contiguous)}); "
           f"tree_final lanes run: {sorted(check.lanes)}; plans run as a paged decode: "
-          f"{check.decode_plans}",
+          f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}",
           flush=True)
     return 1 if check.failures else 0
 

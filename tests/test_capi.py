@@ -212,9 +212,10 @@ SMALL_BRANCHES = 256
 
 
 def small_problem() -> Problem:
-    """256 branches of 80 tokens: a 64-token root (blocks 0-3, computed once: re-read by 256
-    branches it would cost more than a partial launch, so the plan is not flat), 16 own tokens
-    each (column 4); tables 7 wide; extra_blocks 1, so plans hold 6 columns."""
+    """256 branches of 80 tokens: a 64-token root (blocks 0-3), 16 own tokens each (column 4);
+    tables 7 wide; extra_blocks 1, so plans hold 6 columns. The plan reads the root once per
+    final program of 8 sibling lanes (a flat plan with shared ranges: a walk of 3 KV tiles,
+    one launch), so blocks 0-3 lie in a range the plan shares."""
     return shared_root(SMALL_BRANCHES, root=64, leaf=16)
 
 
@@ -427,7 +428,7 @@ def test_fake_driver_plan_update(fake_libcuda):
     status, message, created = out.pop("create")
     assert status == FR_OK, message
     assert created["max_blocks"] == 6 and created["logical_tokens"] == SMALL_BRANCHES * 80
-    assert created["computed_nodes"] == 1
+    assert (created["computed_nodes"], created["num_launches"]) == (0, 1)
     rejected = {
         "shared_block": (FR_PLAN_MISMATCH, ["branch 1 changed block 1 (1 -> 900)", "create a new plan"]),
         "branch_count": (FR_PLAN_MISMATCH, [f"the plan has {SMALL_BRANCHES} branches, the tree 2"]),
@@ -570,32 +571,44 @@ def wide_packed_tree(dtype, head_dim, device="cuda", block_size=16):
     return shared_root_tree(256, 512, 24, dtype, head_dim, device, block_size)
 
 
+def deep_tree(dtype, head_dim, device="cuda", block_size=16):
+    """ft_deep16's tree: eight levels of 16-token nodes over 1024 leaves of 16 tokens. Its plan
+    is flat, each final program reading the path its eight sibling leaves share once (the
+    COMMON final kernel, in the wide tile)."""
+    from flash_reasoning.bench import case_allocator, load_cases
+    case = next(c for c in load_cases()["cases"] if c["name"] == "ft_deep16/q32kv8")
+    case = dict(case, head_dim=head_dim, dtype=str(dtype).split(".")[-1])
+    return case_allocator(case, device=device, block_size=block_size)
+
+
 def test_trees_take_the_final_kernels_they_are_meant_to():
     """What the GPU tests below rely on (H100, 132 SMs): a separate merge, one branch per
-    final program, four, eight, a paged decode."""
+    final program, four, eight, a paged decode, eight with shared ranges."""
     from flash_reasoning import TreeAttentionPlan
-    for make_tree, separate, lanes, decode in ((long_branches_tree, True, 1, False),
-                                               (seed_like_tree, False, 1, False),
-                                               (packed_tree, False, 4, False),
-                                               (wide_packed_tree, False, 8, False),
-                                               (unshared_tree, False, 1, True)):
+    for make_tree, separate, lanes, decode, common in ((long_branches_tree, True, 1, False, False),
+                                                       (seed_like_tree, False, 1, False, False),
+                                                       (packed_tree, False, 4, False, False),
+                                                       (wide_packed_tree, False, 8, False, False),
+                                                       (unshared_tree, False, 1, True, False),
+                                                       (deep_tree, False, 8, False, True)):
         alloc, ids = make_tree(torch.float16, 128, device="cpu")
         arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
-        assert (arrays.separate_merge, arrays.final_lanes, arrays.decode) == (separate, lanes,
-                                                                             decode)
+        assert (arrays.separate_merge, arrays.final_lanes, arrays.decode, arrays.has_common) == \
+            (separate, lanes, decode, common)
 
 
 @pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
 @pytest.mark.parametrize("make_tree, contiguous", [(long_branches_tree, False), (seed_like_tree, True),
                                                    (packed_tree, True), (wide_packed_tree, True),
-                                                   (unshared_tree, None)])
+                                                   (unshared_tree, None), (deep_tree, None)])
 def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous, block_size, page):
     """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
     blocks takes the kernels compiled for that page size, any other size the generic ones. The
     roots lie in consecutive pages: their partial launch reads them as one run of slots, except
     where it also holds the branches' open chunks (long_branches_tree merges separately). A
-    plan with no partials (unshared_tree) launches paged_decode's kernel alone; eight lanes of
-    group 4 (wide_packed_tree) take the wide final tile's kernel."""
+    plan with no partials launches paged_decode's kernel alone (unshared_tree), or, where its
+    final programs share ranges (deep_tree), the COMMON final kernel alone; eight lanes of group
+    4 (wide_packed_tree, deep_tree) take the wide final tile's kernel."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
     rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
@@ -605,14 +618,16 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous
     expected = [launch.spec.name for launch in python.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)]
     names = kernel_names(api, plan)
     assert names == expected
-    if contiguous is None:
+    if make_tree is deep_tree:
+        assert len(names) == 1 and names[0].startswith("tree_final") and "_common1_" in names[0]
+    elif contiguous is None:
         assert len(names) == 1 and names[0].startswith("paged_decode")
     else:
         assert len(names) >= 2 and names[0].startswith("tree_partial")
         assert ("_page0_contiguous1_" in names[0]) == contiguous
     paged = [name for name in names[bool(contiguous):] if not name.startswith("tree_merge")]
     assert paged and all(page in name for name in paged)
-    assert ("_block_m32_" in names[-1]) == (make_tree is wide_packed_tree)
+    assert ("_block_m32_" in names[-1]) == (make_tree in (wide_packed_tree, deep_tree))
     api.lib.frPlanDestroy(plan)
 
 
@@ -657,7 +672,7 @@ def test_plan_kernel_name_rejects(api, host_context):
 
 @gpu
 @pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree,
-                                       wide_packed_tree, unshared_tree])
+                                       wide_packed_tree, unshared_tree, deep_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)
@@ -673,7 +688,7 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 @gpu
 @pytest.mark.parametrize("make_tree, length", [(seed_like_tree, 1040), (long_branches_tree, 3000),
                                                (packed_tree, 576), (wide_packed_tree, 536),
-                                               (unshared_tree, 301)])
+                                               (unshared_tree, 301), (deep_tree, 144)])
 def test_gpu_plan_update_after_append(api, gpu_context, make_tree, length):
     alloc, ids = make_tree(torch.float16, 128)
     rc, msg, plan = api.plan(gpu_context, allocator_problem(alloc, ids, 32))

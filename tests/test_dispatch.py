@@ -77,6 +77,22 @@ def test_the_wide_final_tile_has_its_own_rules(no_tables):
         dispatch.tree_final_spec("float16", 128, "sm90", wide=True)
 
 
+def test_shared_range_programs_have_their_own_rules(no_tables):
+    """Packed programs that first walk the range their lanes share: a rule list per final tile,
+    specs that say COMMON and name their rule list back; no unpacked form."""
+    for head_dim, wide in itertools.product(dispatch.HEAD_DIMS, (False, True)):
+        kernel = dispatch.tree_final_kernel(True, wide, common=True)
+        assert kernel == ("tree_final_common_wide" if wide else "tree_final_common")
+        configs = dispatch.COMMON_WIDE_FINAL_CONFIGS if wide else dispatch.COMMON_FINAL_CONFIGS
+        assert dispatch.config_for(kernel, "float16", head_dim, "sm90", 64) == configs[head_dim]
+        spec = dispatch.tree_final_spec("float16", head_dim, "sm90", packed=True, wide=wide,
+                                        common=True)
+        assert (spec.key["COMMON"], spec.key["BLOCK_M"]) == (1, 32 if wide else 16)
+        assert dispatch.rule_kernel(spec) == kernel
+    with pytest.raises(ValueError, match="packed"):
+        dispatch.tree_final_spec("float16", 128, "sm90", common=True)
+
+
 def test_each_rule_lists_specs_name_it_back(no_tables):
     """rule_kernel inverts kernel_spec for every rule list (RULE_LIST_SPECS covers them)."""
     for kernel, block_m in dispatch.RULE_LISTS:

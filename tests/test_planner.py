@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, planner
 from flash_reasoning.bench import case_allocator, load_cases, seed_case, table_cases
-from flash_reasoning.specializations import TREE_ITEM_FIELDS
+from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.synthetic import random_branches
 
 H100 = dict(num_sms=132, dtype_bytes=2)
@@ -28,9 +28,10 @@ def coverage(tree, arrays):
         rows = arrays.order[arrays.chunk_row_ptr[c]:arrays.chunk_row_ptr[c]
                             + arrays.chunk_rows[c]]
         count[rows, arrays.chunk_start[c]:arrays.chunk_end[c]] += 1
+    starts = arrays.final_range_starts()  # a packed program's shared range included
     for b, length in enumerate(tree.lengths):
         if not arrays.separate_merge:
-            count[b, arrays.final_start[b]:length] += 1
+            count[b, starts[b]:length] += 1
     return count
 
 
@@ -397,9 +398,96 @@ def test_empty_branches_plan_to_empty_ranges():
 
 
 def test_item_fields_match_the_core():
-    """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS."""
+    """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS and
+    COMMON_FIELDS."""
     from flash_reasoning import _launcher
     assert tuple(_launcher.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
+    assert tuple(_launcher.COMMON_FIELDS) == COMMON_FIELDS
+
+
+def check_shared_ranges(alloc, ids, arrays):
+    """Each packed program's shared range lies in the same pages of every lane's table, below
+    every lane's length, from where the lanes' final ranges begin; the lanes' final_start is its
+    end. Returns the number of programs with a range."""
+    tables, rows = alloc.host_tables(alloc.segment_tree(ids).branch_ids)
+    lengths = alloc.segment_tree(ids).lengths
+    starts = arrays.final_range_starts()
+    shared = 0
+    for p, (lead, start, end) in enumerate(arrays.common.tolist()):
+        lanes = arrays.order[p * arrays.final_lanes:(p + 1) * arrays.final_lanes]
+        assert lead == lanes[0] and starts[lead] == start and start <= end
+        if start == end:
+            continue
+        shared += 1
+        assert len(lanes) > 1 and (starts[lanes] == start).all()
+        assert (arrays.final_start[lanes] == end).all() and (lengths[lanes] >= end).all()
+        pages = slice(start // alloc.block_size, -(-end // alloc.block_size))
+        assert (tables[rows[lanes], pages] == tables[rows[lead], pages]).all()
+    return shared
+
+
+@settings(max_examples=40, deadline=None)
+@given(branches=st.integers(2, 40), depth=st.integers(1, 8), tokens=st.integers(1, 60),
+       group=st.sampled_from([1, 2, 4, 8]), lanes=st.sampled_from([2, 3, 4, 8]),
+       flat=st.sampled_from([None, True]), seed=st.integers(0, 2**16))
+def test_packed_programs_share_the_ranges_their_lanes_share(branches, depth, tokens, group, lanes,
+                                                            flat, seed):
+    """Random trees packed at any lane count: every path is still read once (the shared range
+    once for each of its lanes), and the shared ranges are shared."""
+    if lanes * group > 32:
+        lanes = 32 // group
+    alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
+    ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=1 + seed % 2)
+    tree, arrays = plan_for(alloc, ids, 2 * group, flat=flat, final_lanes=lanes,
+                            separate_merge=False)
+    check_plan(tree, arrays, group)
+    assert arrays.common.shape == (-(-branches // lanes), 3) or lanes == 1
+    check_shared_ranges(alloc, ids, arrays)
+
+
+def test_sibling_leaves_read_their_shared_path_once():
+    """A flat plan of four sibling leaves per program (nodes of 32, 16, 16 tokens, then 5 own
+    each): each program reads the 64-token path once; eight lanes span two parents and share
+    the 48 tokens above them. Unpacked plans have no shared ranges."""
+    from flash_reasoning.bench import level_case
+    case = level_case("deep", (1, 2, 8, 32), (32, 16, 16, 5), num_kv_heads=4, num_qo_heads=16,
+                      head_dim=8)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    for lanes, shared in ((4, 64), (8, 48)):
+        tree, arrays = plan_for(alloc, leaves, 16, flat=True, final_lanes=lanes)
+        assert arrays.has_common and check_shared_ranges(alloc, leaves, arrays) == 32 // lanes
+        assert (arrays.common[:, 1:] == [0, shared]).all() and (arrays.final_start == shared).all()
+        assert (arrays.final_range_starts() == 0).all()
+        check_plan(tree, arrays, 4)
+    unpacked = plan_for(alloc, leaves, 16, flat=True, final_lanes=1)[1]
+    assert unpacked.common.size == 0 and not unpacked.has_common
+
+
+@pytest.mark.parametrize("name, shared", [
+    ("ft_deep16/q32kv8", True),    # 8 sibling leaves of 16 tokens under a 128-token path
+    ("ft_deep16/q16kv1", False),   # 2 lanes (the wide tile at group 16): too few
+    ("ft_1,256/q16kv1", False),
+    ("ft_deep16/q32kv32", False),  # 32 lanes: 32 leaves' own 64 tokens each, a long walk
+    ("ft_1,16,64/q32kv8", False),  # the shared path is 1280 tokens: too long a walk
+    ("ft_1,2,64/q32kv8", False),
+    ("seed_b256/q32kv8", False),
+])
+def test_deep_trees_plan_flat_with_shared_ranges(name, shared):
+    """Where a flat plan's programs of sibling leaves (the wide final tile's lanes, four at
+    least) walk at most kSharedRangeWalk tiles and are estimated faster, the planner keeps it:
+    one launch, no partials, each program's shared path read once."""
+    case = next(c for c in load_cases()["cases"] if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu", random=False)
+    tree, arrays = plan_for(alloc, leaves, case["num_qo_heads"])
+    assert arrays.has_common == shared
+    if shared:
+        assert arrays.stats["computed_nodes"] == 0 and arrays.num_entries == 0
+        assert arrays.final_lanes == 32 // (case["num_qo_heads"] // case["num_kv_heads"])
+        assert (arrays.common[:, 2] - arrays.common[:, 1] == 128).all()
+        check_shared_ranges(alloc, leaves, arrays)
+        check_plan(tree, arrays, case["num_qo_heads"] // case["num_kv_heads"])
+        forced = plan_for(alloc, leaves, case["num_qo_heads"], flat=False)[1]
+        assert not forced.has_common  # the knob that forces the tree plan
 
 
 def test_heads_not_a_multiple_is_a_value_error():
@@ -448,7 +536,7 @@ def test_contiguous_launches_need_closed_shared_ranges_in_consecutive_pages(reco
     arrays = planner.PlanArrays(
         *[None] * 8, items={64: np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))},
         final_start=np.array([32, 16], np.int32), merge_ptr=None, entry_slot=None,
-        num_entries=0, work=None, work_offsets=None, separate_merge=False, final_lanes=1,
+        common=np.zeros((0, 3), np.int32), num_entries=0, work=None, work_offsets=None, separate_merge=False, final_lanes=1,
         final_block_m=16, early_final=False, decode=False)
     assert planner.contiguous_launches(arrays, mirror, rows, 8) == {64: expected}
 

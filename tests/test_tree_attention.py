@@ -233,23 +233,56 @@ def test_packed_final_interpreted(dtype, heads, lanes):
     that leaves tile rows and tokens over), in the narrow tile or, past its rows, the wide
     one; their final ranges of unequal length (one left behind by decode steps), a last
     program with lanes but no branch."""
-    from aot.interpret import run_interpreted
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, branches=13, tokens=60,
                         seed=lanes)
     plan = TreeAttentionPlan(alloc, ids, heads[0], num_sms=4, arch="sm90",
                              separate_merge=False, final_lanes=lanes)
+    assert plan.arrays.final_lanes == lanes and packed_final(plan, heads, lanes)["PACKED"] == 1
+    check_packed_over_decode_steps(plan, alloc, ids, heads[0], seed=lanes)
+
+
+def packed_final(plan, heads, lanes) -> dict:
+    """The plan's final launch's specialization keys, checked to hold its lanes' rows in the
+    narrow final tile or, past it, the wide one."""
     final = plan._templates[-1][0].key
-    assert plan.arrays.final_lanes == lanes and final["PACKED"] == 1
     assert final["BLOCK_M"] == (16 if lanes * heads[0] // heads[1] <= 16 else 32)
-    gen = torch.Generator().manual_seed(lanes)
+    return final
+
+
+def check_packed_over_decode_steps(plan, alloc, ids, num_qo_heads, seed):
+    """The plan's launches through the interpreter against the reference, poisoned first, before
+    and after a decode step that leaves the first branch behind."""
+    from aot.interpret import run_interpreted
+    gen = torch.Generator().manual_seed(seed)
     for step in range(2):
-        q = queries(alloc, ids, heads[0], seed=step)
+        q = queries(alloc, ids, num_qo_heads, seed=step)
         out = poisoned_like(q)
         run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
         check(out, q, alloc, ids)
         grown = alloc.reserve(ids[1:])
         alloc.append(grown, 0, *random_kv(alloc, gen, len(ids) - 1))
         plan.refresh()
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, lanes", [((8, 2), 4), ((8, 2), 8), ((2, 2), 16), ((32, 2), 2)])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_shared_ranges_interpreted(dtype, heads, lanes, block_size):
+    """Packed programs that read their lanes' shared range once (the COMMON final kernel), in
+    the narrow final tile and the wide one (groups 4, 1 and 16), over a deep tree whose nodes
+    end inside blocks: 13 leaves, so the last program has one lane; matches the reference before
+    and after decode steps (one lane left behind)."""
+    from flash_reasoning.bench import level_case
+    case = level_case("deep", (1, 2, 4, 13), (19, 16, 24, 9), num_qo_heads=heads[0],
+                      num_kv_heads=heads[1], head_dim=64, dtype=str(dtype).split(".")[-1])
+    alloc, ids = case_allocator(case, device="cpu", block_size=block_size)
+    plan = TreeAttentionPlan(alloc, ids, heads[0], num_sms=4, arch="sm90", flat=True,
+                             final_lanes=lanes)
+    final = packed_final(plan, heads, lanes)
+    assert plan.arrays.has_common and (final["PACKED"], final["COMMON"]) == (1, 1)
+    assert final["PAGE"] == (16 if block_size == 16 else 0)
+    check_packed_over_decode_steps(plan, alloc, ids, heads[0], seed=lanes)
 
 
 @interpreter

@@ -132,9 +132,10 @@ def fake_manifest():
         entry("paged_decode", 32, 2, 2, BLOCK_M=16, SPLIT=0),
         entry("paged_decode", 64, 4, 3, BLOCK_M=16, SPLIT=1),
         entry("tree_partial", 64, 4, 3, BLOCK_M=64), entry("tree_partial", 32, 2, 2, BLOCK_M=16),
-        entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0),
-        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1),
-        entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1)]}
+        entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0, COMMON=0),
+        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1, COMMON=0),
+        entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1, COMMON=0),
+        entry("tree_final", 64, 4, 2, BLOCK_M=16, PACKED=1, COMMON=1)]}
 
 
 def test_compiled_configs_match_the_rule_lists_kernel_exactly():
@@ -144,6 +145,8 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     assert tune.compiled_configs(manifest, "tree_final/float16/128") == [(32, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final_packed/float16/128") == [(64, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final_packed_wide/float16/128") == [(32, 2, 3)]
+    assert tune.compiled_configs(manifest, "tree_final_common/float16/128") == [(64, 4, 2)]
+    assert tune.compiled_configs(manifest, "tree_final_common_wide/float16/128") == []
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/64") == [(64, 4, 3)]
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/16") == [(32, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final/bfloat16/128") == []

@@ -53,6 +53,13 @@ def group_rows(tile, num_qo_heads, num_kv_heads, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def no_keys(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The online-softmax state of rows that have seen no key: (-inf, 0, 0)."""
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, HEAD_DIM], tl.float32))
+
+
+@triton.jit
 def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
            end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
@@ -68,9 +75,7 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     another): token ``n`` is slot ``first slot + n - start``, one page id for the whole range
     and no per-token page arithmetic."""
     d = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
     offs = tl.arange(0, BLOCK_N)
     if CONTIGUOUS:
         first = tl.load(table + start // page_size, mask=start < table_tokens, other=0)
@@ -104,21 +109,19 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
 
 
 @triton.jit
-def attend_lanes(qt, row_lane, k_pool, v_pool, tables, start, end, tokens_per_lane, kv_head,
-                 num_kv_heads, page_size, sm_scale_log2, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``attend`` for a tile whose rows belong to several sequences (*lanes*): row ``r`` to lane
-    ``row_lane[r]``. Token ``t`` of each KV tile is lane ``t // tokens_per_lane``'s; ``tables``,
-    ``start`` and ``end`` are per token: its lane's block table row and range (an empty range for
-    a lane without a sequence). Each step loads ``tokens_per_lane`` tokens of every lane's range,
-    a row sees its own lane's keys only, and the loop runs until the longest range ends; a row
-    whose lane has no keys gives (-inf, 0, 0)."""
+def attend_lanes(m_i, l_i, acc, qt, row_lane, k_pool, v_pool, tables, start, end,
+                 tokens_per_lane, kv_head, num_kv_heads, page_size, sm_scale_log2,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``attend`` for a tile whose rows belong to several sequences (*lanes*), continuing the
+    online-softmax state (m_i, l_i, acc) (:func:`no_keys` to start afresh): row ``r`` is lane
+    ``row_lane[r]``'s. Token ``t`` of each KV tile is lane ``t // tokens_per_lane``'s;
+    ``tables``, ``start`` and ``end`` are per token: its lane's block table row and range (an
+    empty range for a lane without a sequence). Each step loads ``tokens_per_lane`` tokens of
+    every lane's range, a row sees its own lane's keys only, and the loop runs until the
+    longest range ends; a row that has seen no key stays (-inf, 0, 0)."""
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, BLOCK_N)
     own_lane = row_lane[:, None] == (t // tokens_per_lane)[None, :]
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n = start + t % tokens_per_lane
     page = tl.load(tables + n // page_size, mask=n < end, other=0)  # one step ahead, as attend
     for _ in tl.range(0, tl.cdiv(tl.max(end - start, 0), tokens_per_lane)):

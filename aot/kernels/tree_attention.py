@@ -17,7 +17,11 @@ chain), then the output. The final range's end is read on the device, so a plan
 stays valid while the branches only grow. ``PACKED``: a GQA group of at most BLOCK_M // 2
 heads leaves tile rows free, so each program serves ``lanes`` branches (``order[p * lanes:
 (p + 1) * lanes]``), one group of rows each, and walks their final ranges side by side
-(``attention_core.attend_lanes``): fewer, longer programs, more loads in flight.
+(``attention_core.attend_lanes``): fewer, longer programs, more loads in flight. ``COMMON``
+(packed): the planner found a range all of a program's lanes share (the same pages, folded
+into their final ranges, not computed: ``planner.PlanArrays.common``), so the program first
+walks it once as a dense tile of all its rows, through its lead lane's table, then each
+lane's own rest side by side; the lanes' final ranges begin where it ends.
 
 ``PDL`` (sm90, ``dispatch.grid_dependency``): the partial launch lets the final (or merge)
 launch start once its programs are past their walks (or, with the plan's ``early_final``, once
@@ -35,10 +39,10 @@ length), and ``tree_merge`` folds each (branch, head) row's slots, ``BLOCK_S`` a
 import triton
 import triton.language as tl
 
-from flash_reasoning.specializations import TREE_ITEM_FIELDS
+from flash_reasoning.specializations import COMMON_FIELDS as _COMMON_FIELDS, TREE_ITEM_FIELDS
 
 from .attention_core import (attend, attend_lanes, fold_partials, group_rows,
-                             let_next_launch_start, merge_partial, normalise,
+                             let_next_launch_start, merge_partial, no_keys, normalise,
                              wait_for_previous_launch)
 
 ITEM_STRIDE = tl.constexpr(len(TREE_ITEM_FIELDS))
@@ -50,6 +54,10 @@ NUM_ROWS = tl.constexpr(TREE_ITEM_FIELDS.index("num_rows"))
 FIRST_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("first_flat_row"))
 ENTRY0 = tl.constexpr(TREE_ITEM_FIELDS.index("entry0"))
 OPEN_END = tl.constexpr(TREE_ITEM_FIELDS.index("open_end"))
+COMMON_FIELDS = tl.constexpr(len(_COMMON_FIELDS))
+COMMON_LEAD = tl.constexpr(_COMMON_FIELDS.index("lead_row"))
+COMMON_START = tl.constexpr(_COMMON_FIELDS.index("start"))
+COMMON_END = tl.constexpr(_COMMON_FIELDS.index("end"))
 
 
 @triton.jit
@@ -100,11 +108,12 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
 
 
 @triton.jit
-def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, merge_ptr,
+def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, merge_ptr, common,
                partial_out, partial_lse, out, sm_scale_log2, num_qo_heads, num_kv_heads,
                page_size, max_blocks, num_rows, lanes,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               PACKED: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+               PACKED: tl.constexpr, COMMON: tl.constexpr, PAGE: tl.constexpr,
+               PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
     d = tl.arange(0, HEAD_DIM)
@@ -125,11 +134,21 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
         tok_lane = tl.arange(0, BLOCK_N) // tokens_per_lane
         tok_ok = (tok_lane < lanes) & (first + tok_lane < num_rows)
         tok_seq = tl.load(order + first + tok_lane, mask=tok_ok, other=0)
+        if COMMON:  # the range every lane shares, once for all rows
+            shared = common + tl.program_id(0) * COMMON_FIELDS
+            lead = tl.load(shared + COMMON_LEAD)
+            m_i, l_i, acc = attend(qt, k_pool, v_pool,
+                                   block_tables + lead.to(tl.int64) * max_blocks,
+                                   max_blocks * page_size, kv_head, num_kv_heads, page_size,
+                                   tl.load(shared + COMMON_START), tl.load(shared + COMMON_END),
+                                   sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+        else:
+            m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
         start, end = final_range(tok_seq, tok_ok, seq_lens, final_start, page_size, max_blocks)
-        m_i, l_i, acc = attend_lanes(qt, lane, k_pool, v_pool,
+        m_i, l_i, acc = attend_lanes(m_i, l_i, acc, qt, lane, k_pool, v_pool,
                                      block_tables + tok_seq.to(tl.int64) * max_blocks, start, end,
                                      tokens_per_lane, kv_head, num_kv_heads, page_size,
-                                     sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+                                     sm_scale_log2, HEAD_DIM, BLOCK_N)
         lo = tl.load(merge_ptr + seq, mask=row_ok, other=0)
         count = tl.load(merge_ptr + seq + 1, mask=row_ok, other=0) - lo
         steps = tl.max(count, 0)

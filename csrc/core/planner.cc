@@ -169,10 +169,18 @@ double partial_launch_us(const ItemList& list, const SegmentTree& t, const PlanS
   return launch_us(double(longest * waves) * factor, double(tokens * shape.kv_bytes_per_token()));
 }
 
-// The final launch (each row's final range, then its partials one by one) or the merge launch.
-double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shape) {
-  double partial_bytes = double(p.num_entries) * double(shape.partial_bytes_per_row()) / 2;  // read once
-  int64_t walk = 0, tokens = 0;
+// The longest serial walk of a last-launch program, and the KV tokens the launch reads
+// (`tokens`, may be null): a final program walks its shared range's tiles, its lanes' final
+// ranges side by side (a packed tile holds kChunkAlign / final_lanes tokens of each), then its
+// partials one by one; a merge program its partials kMergeSlotsPerStep at a time.
+int64_t last_launch_walk(const Plan& p, const SegmentTree& t, int64_t* tokens) {
+  std::vector<int64_t> shared_tiles(t.num_rows(), 0);  // of the row's program's shared range
+  int64_t walk = 0, read = 0;
+  for (size_t i = 0; i < p.order.size() && !p.common.empty(); ++i) {  // a record per program
+    const int32_t* range = &p.common[i / size_t(p.final_lanes) * kCommonFields.size()];
+    shared_tiles[p.order[i]] = ceil_div(range[2] - range[1], kChunkAlign);
+    if (i % size_t(p.final_lanes) == 0) read += range[2] - range[1];  // once per program
+  }
   for (int64_t b = 0; b < t.num_rows(); ++b) {
     int64_t partials = p.merge_ptr[b + 1] - p.merge_ptr[b];
     if (p.separate_merge) {
@@ -180,10 +188,19 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
       continue;
     }
     int64_t length = t.lengths[b] - p.final_start[b];
-    // A packed program's tile holds kChunkAlign / final_lanes tokens of each lane's range.
-    walk = std::max(walk, ceil_div(length * p.final_lanes, kChunkAlign) + partials);
-    tokens += length;
+    walk = std::max(walk, shared_tiles[b] + ceil_div(length * p.final_lanes, kChunkAlign) + partials);
+    read += length;
   }
+  if (tokens) *tokens = read;
+  return walk;
+}
+
+// The final launch (each program's shared range, each row's final range, then its partials
+// one by one) or the merge launch.
+double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shape) {
+  double partial_bytes = double(p.num_entries) * double(shape.partial_bytes_per_row()) / 2;  // read once
+  int64_t tokens = 0;
+  int64_t walk = last_launch_walk(p, t, &tokens);
   if (p.separate_merge) return launch_us(double(walk), partial_bytes);
   int64_t programs = ceil_div(t.num_rows(), p.final_lanes) * shape.final_tiles();
   int64_t waves = ceil_div(programs, kFinalProgramsPerSm * shape.num_sms);
@@ -264,7 +281,8 @@ double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& 
 }
 
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets) {
-  std::vector<const std::vector<int32_t>*> lists = {&plan.order, &plan.final_start, &plan.merge_ptr, &plan.entry_slot};
+  std::vector<const std::vector<int32_t>*> lists = {&plan.order, &plan.final_start, &plan.merge_ptr, &plan.entry_slot,
+                                                     &plan.common};
   for (const ItemList& items : plan.items) lists.push_back(&items.records);
   flat->clear();
   offsets->clear();
@@ -341,6 +359,31 @@ int64_t planned_lanes(Plan& plan, const SegmentTree& tree, const PlanShape& shap
   return outlasts ? final_lanes(tree.num_rows(), shape, true, true) : plan.final_lanes;
 }
 
+// The range each packed final program's lanes share at the start of their final ranges: from
+// their common final start to the end of the deepest node above all of them (a folded node:
+// its tokens lie in the same pages for every lane), read once for all their rows; the lanes'
+// final ranges then start at its end. Lanes whose final ranges start apart share nothing here.
+// Every node is folded in a flat plan, so there a program of sibling leaves walks their path
+// once, not once per lane (H100, ft_deep16/q32kv8 flat: 80.1 -> 62.3 us at 8 lanes;
+// docs/perf.md session 25).
+void shared_final_prefixes(const SegmentTree& t, Plan* p) {
+  p->common.clear();
+  if (p->separate_merge || p->decode || p->final_lanes < 2) return;
+  int64_t rows = t.num_rows();
+  for (int64_t first = 0; first < rows; first += p->final_lanes) {
+    int64_t last = std::min(rows, first + p->final_lanes);
+    int64_t lead = t.order[first], start = p->final_start[lead], end = start;
+    bool aligned = last - first > 1;
+    for (int64_t i = first; i < last; ++i) aligned = aligned && p->final_start[t.order[i]] == start;
+    int64_t v = aligned ? t.end_node[lead] : -1;
+    while (v >= 0 && (t.node_lo[v] > first || t.node_hi[v] < last)) v = t.node_parent[v];
+    if (v >= 0) end = std::max(start, t.node_end[v]);
+    p->common.insert(p->common.end(), {int32_t(lead), int32_t(start), int32_t(end)});
+    if (end > start)
+      for (int64_t i = first; i < last; ++i) p->final_start[t.order[i]] = int32_t(end);
+  }
+}
+
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
 // own row tile, or every range in the wide one (`one_tile`).
 Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,
@@ -408,11 +451,26 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   p.decode = runs_as_decode(p.separate_merge, p.num_entries, options.final_lanes != 0);
   if (!p.separate_merge && !p.decode)
     p.final_lanes = options.final_lanes ? options.final_lanes : planned_lanes(p, tree, shape, r.num_computed);
+  shared_final_prefixes(tree, &p);
   p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
                                                                 : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);
   *out = std::move(p);
   return Status::Ok();
+}
+
+// The flat plan whose final programs pack the wide final tile's lanes (kMinPackedLanes at
+// least), siblings in the tree order, so that each walks the path its lanes share once
+// (shared_final_prefixes()), where its programs' walks stay short (kSharedRangeWalk) and
+// estimated_us() finds it faster than `plan`.
+void prefer_shared_ranges(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* plan) {
+  if (options.flat >= 0 || options.final_lanes || shape.max_wide_final_lanes() < kMinPackedLanes) return;
+  PlanOptions packed = options;
+  packed.final_lanes = shape.max_wide_final_lanes();
+  Plan shared;
+  if (build_plan(tree, shape, packed, true, options.one_tile == 1, &shared).ok() && shared.has_common() &&
+      last_launch_walk(shared, tree, nullptr) <= kSharedRangeWalk && shared.estimated_us < plan->estimated_us)
+    *plan = std::move(shared);
 }
 
 // `plan` again with every item in the wide tile, where it merges separately over both row tiles
@@ -444,6 +502,7 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
         flat.estimated_us < plan.estimated_us)
       plan = std::move(flat);
   }
+  prefer_shared_ranges(tree, shape, options, &plan);
   prefer_one_tile(tree, shape, options, &plan);
   *out = std::move(plan);
   return Status::Ok();

@@ -122,10 +122,26 @@ constexpr int64_t kPackedFinalsBesideRoot = 2;
 // session 15's rule left late, ft_1,2,64/q32kv8 20.2 -> 17.5 us, ft_1,4,256/q32kv8 35.0 ->
 // 31.1, seed_b256/q32kv8 65.8 -> 64.9; session 12: long_1,4/q16kv1, a merge plan, 28.9 -> 31.6).
 
+// A flat plan whose packed final programs group sibling leaves (the wide final tile's lanes,
+// kMinPackedLanes at least) walks each program's shared path once: it is kept where
+// estimated_us() finds it faster and no program walks more than this many KV tiles (its shared
+// range's, its lanes', its partials). Longer walks serialise what a tree plan runs in parallel
+// (H100, flat plans with shared ranges at their best config: ft_deep16/q32kv8 80.1 -> 62.0 us at
+// a walk of 4 tiles; at 8-9 tiles a tie or a loss, ft_1,256/q32kv8 28.8 -> 30.4,
+// ft_1,4,256/q32kv8 32.0 -> 35.5, ft_1,2,64/q32kv8 17.9 -> 20.3). Two lanes halve the programs for
+// at most half the reads: at GQA group 16 every tree lost (ft_deep16/q16kv1 22.1 -> 24.0 at a
+// walk of 3, ft_1,256/q16kv1 14.7 -> 18.2 at 5; docs/perf.md session 25).
+constexpr int64_t kSharedRangeWalk = 6;
+
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
 constexpr std::array<const char*, 8> kTreeItemFields = {"table_row", "kv_start", "kv_end", "row_ptr",
                                                         "num_rows",  "first_flat_row", "entry0", "open_end"};
+
+// A packed final program's shared range is an int32 record of these fields (Python's
+// specializations.COMMON_FIELDS must match: a test checks): tokens [start, end) that every lane
+// of the program reads in the same pages, read once through row lead_row's block table.
+constexpr std::array<const char*, 3> kCommonFields = {"lead_row", "start", "end"};
 
 // What the planner needs to know about the attention call and the GPU.
 struct PlanShape {
@@ -183,9 +199,13 @@ struct ItemList {
 // [final_start[b], its length); it merges slots merge_ptr[b]:merge_ptr[b + 1]. With
 // separate_merge, each final range is chunks too (its last one open) and no final kernel runs.
 // Final-kernel program p serves rows order[p * final_lanes:(p + 1) * final_lanes] when
-// final_lanes > 1 (the packed kernel), row p otherwise.
+// final_lanes > 1 (the packed kernel), row p otherwise. A packed program whose lanes share the
+// start of their final ranges (a node folded into all of them: shared_final_prefixes()) reads
+// that range once for all its rows: common holds kCommonFields.size() int32 per program (an
+// empty range where start == end), and its lanes' final_start is moved to the range's end.
 struct Plan {
   std::vector<int32_t> order;
+  std::vector<int32_t> common;  // per final program when packed, else empty
   std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0,
       chunk_open;
   std::vector<ItemList> items;  // by increasing block_m, only tiles in use
@@ -202,13 +222,20 @@ struct Plan {
   // two-tile plan's second partial launch, which starts beside the first.
   bool early_final = false;
   double estimated_us = 0;  // estimated_us() of this plan
+
+  // Whether some final program reads a shared range (the final launch takes the COMMON kernel).
+  bool has_common() const {
+    for (size_t i = 0; i < common.size(); i += kCommonFields.size())
+      if (common[i + 1] < common[i + 2]) return true;
+    return false;
+  }
 };
 
 // The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,
-// entry_slot, then each ItemList's records, each in a slot of a multiple of 4 words (at least
-// 4), so every list's pointer is valid, distinct and 16-byte aligned. offsets[i] is list i's
-// first element, the lists in WorkList's order.
-enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kFirstItems = 4 };
+// entry_slot, common, then each ItemList's records, each in a slot of a multiple of 4 words (at
+// least 4), so every list's pointer is valid, distinct and 16-byte aligned. offsets[i] is list
+// i's first element, the lists in WorkList's order.
+enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kCommon = 4, kFirstItems = 5 };
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets);
 
 // Whether tree_partial may read every item of `items` as one run of slots (its CONTIGUOUS

@@ -150,12 +150,12 @@ Status TreeAttentionPlan::pick_kernels() {
 }
 
 // The rule list of the final launch: a packed program (several lanes) has its own, one per
-// final tile (dispatch.tree_final_kernel).
-const char* TreeAttentionPlan::final_kernel() const {
+// final tile, and so has one that reads its lanes' shared range (dispatch.tree_final_kernel).
+std::string TreeAttentionPlan::final_kernel() const {
   if (plan_.decode) return "paged_decode/";
   if (plan_.final_lanes == 1) return "tree_final/";
   bool wide = plan_shape_.final_block_m(plan_.final_lanes) > plan_shape_.block_ms[0];
-  return wide ? "tree_final_packed_wide/" : "tree_final_packed/";
+  return std::string(plan_.has_common() ? "tree_final_common" : "tree_final_packed") + (wide ? "_wide/" : "/");
 }
 
 // By the longest final range, which grows with the leaves: picked again on each update. A
@@ -235,7 +235,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
   return ctx_.launch(last_kernel_, final_programs(), plan_shape_.final_tiles(), 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
-                      {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)},
+                      {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)}, {"common", work(kCommon)},
                       {"partial_out", device(d_partial_out_)}, {"partial_lse", device(d_partial_lse_)},
                       {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "attention_shape.h"
@@ -48,7 +49,7 @@ class TreeAttentionPlan {
   TreeAttentionPlan(Context& ctx, AttentionShape shape) : ctx_(ctx), shape_(std::move(shape)) {}
   Status pick_kernels();
   Status pick_final_kernel();
-  const char* final_kernel() const;
+  std::string final_kernel() const;
   // Final-kernel programs per GQA tile: a packed program serves plan_.final_lanes branches.
   int64_t final_programs() const;
   Status allocate_and_upload();

@@ -248,6 +248,7 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["final_start"] = to_numpy(p.final_start);
   d["merge_ptr"] = to_numpy(p.merge_ptr);
   d["entry_slot"] = to_numpy(p.entry_slot);
+  d["common"] = to_numpy(p.common).attr("reshape")(-1, int64_t(fr::kCommonFields.size()));
   std::vector<int32_t> work;
   std::vector<int64_t> work_offsets;
   fr::pack_work_lists(p, &work, &work_offsets);
@@ -344,6 +345,7 @@ PYBIND11_MODULE(_launcher, m) {
         "Whether tree_partial may read every item of one launch as one run of slots (csrc/core/planner.h); "
         "branch i's block table is tables[rows[i]], read in place.");
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
+  m.attr("COMMON_FIELDS") = py::cast(std::vector<std::string>(fr::kCommonFields.begin(), fr::kCommonFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;
   m.attr("SEPARATE_MERGE_STEPS") = fr::kSeparateMergeSteps;
   m.attr("MERGE_SLOTS_PER_STEP") = fr::kMergeSlotsPerStep;

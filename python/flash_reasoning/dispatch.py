@@ -48,19 +48,26 @@ FINAL_WIDE_BLOCK_M = 32
 #: (kernel, block_m) of every rule list of one dtype and head_dim: ``paged_decode`` (one
 #: program per sequence and GQA tile), ``paged_decode_split`` (a split decode: few programs),
 #: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``),
-#: ``tree_final_packed_wide`` (as many as :data:`FINAL_WIDE_BLOCK_M` rows hold) and
-#: ``tree_partial`` (a list per query-row tile). A rule list
-#: (``tuning_table.Rules``) gives a config by the launch's programs per SM and the most tokens
-#: one program walks; the manifest exports the same lists.
+#: ``tree_final_packed_wide`` (as many as :data:`FINAL_WIDE_BLOCK_M` rows hold),
+#: ``tree_final_common`` and ``tree_final_common_wide`` (packed programs that first walk the
+#: range their lanes share, ``PlanArrays.common``) and ``tree_partial`` (a list per query-row
+#: tile). A rule list (``tuning_table.Rules``) gives a config by the launch's programs per SM
+#: and the most tokens one program walks; the manifest exports the same lists.
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None),
-              ("tree_final_packed", None), ("tree_final_packed_wide", None)) + \
+              ("tree_final_packed", None), ("tree_final_packed_wide", None),
+              ("tree_final_common", None), ("tree_final_common_wide", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 #: The kernel family and the specialization keys each rule list's kernel stands for.
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                    "paged_decode_split": ("paged_decode", {"SPLIT": 1}),
                    "tree_final": ("tree_final", {"PACKED": 0}),
-                   "tree_final_packed": ("tree_final", {"PACKED": 1, "BLOCK_M": BLOCK_M}),
-                   "tree_final_packed_wide": ("tree_final", {"PACKED": 1,
+                   "tree_final_packed": ("tree_final", {"PACKED": 1, "COMMON": 0,
+                                                        "BLOCK_M": BLOCK_M}),
+                   "tree_final_packed_wide": ("tree_final", {"PACKED": 1, "COMMON": 0,
+                                                             "BLOCK_M": FINAL_WIDE_BLOCK_M}),
+                   "tree_final_common": ("tree_final", {"PACKED": 1, "COMMON": 1,
+                                                        "BLOCK_M": BLOCK_M}),
+                   "tree_final_common_wide": ("tree_final", {"PACKED": 1, "COMMON": 1,
                                                              "BLOCK_M": FINAL_WIDE_BLOCK_M}),
                    "tree_partial": ("tree_partial", {})}
 
@@ -87,6 +94,13 @@ PACKED_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
 #: registers spill 12 at 2 warps, none at 4; docs/perf.md session 23). head_dim 64 takes the
 #: same, 256 the narrow tile's config (neither measured).
 PACKED_WIDE_FINAL_CONFIGS = {64: (32, 2, 3), 128: (32, 2, 3), 256: (32, 4, 2)}
+#: Packed programs with a shared range walk it at the lanes' tile: in the narrow final tile a
+#: 64-token tile and two warps, in the wide one a 128-token tile and four (H100, ft_deep16/q32kv8
+#: flat: 4 lanes 64.6 us at 64/2/2, 76.7 at 32/2/2, 98.4 at 64/4/2, 84.1 at 128/4/2; 8 lanes
+#: 62.0 at 128/4/2, 66.6 at 32/2/2, 67.4 at 64/2/2, 76.7 at 64/4/2; docs/perf.md session 25).
+#: head_dim 256 the packed kernels' config (not measured).
+COMMON_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
+COMMON_WIDE_FINAL_CONFIGS = {64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 4, 2)}
 
 
 def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
@@ -104,6 +118,10 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
         return _any_launch(PACKED_FINAL_CONFIGS[head_dim])
     if kernel == "tree_final_packed_wide":
         return _any_launch(PACKED_WIDE_FINAL_CONFIGS[head_dim])
+    if kernel == "tree_final_common":
+        return _any_launch(COMMON_FINAL_CONFIGS[head_dim])
+    if kernel == "tree_final_common_wide":
+        return _any_launch(COMMON_WIDE_FINAL_CONFIGS[head_dim])
     if head_dim == 256:
         return _any_launch(HEAD_DIM_256_CONFIG)
     if kernel == "paged_decode_split":
@@ -300,19 +318,19 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
 
 @functools.lru_cache(maxsize=None)
 def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
-                    packed: bool = False, page_size: int = 0, wide: bool = False) -> Spec:
+                    packed: bool = False, page_size: int = 0, wide: bool = False,
+                    common: bool = False) -> Spec:
     """One branch's GQA group per program, like the decode kernel, or (``packed``) the groups
-    of several branches, in the narrow tile or (``wide``) :data:`FINAL_WIDE_BLOCK_M` rows."""
+    of several branches, in the narrow tile or (``wide``) :data:`FINAL_WIDE_BLOCK_M` rows;
+    ``common``: packed programs that first walk the range their lanes share."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    if wide and not packed:
-        raise ValueError("the wide final tile is packed: one branch's group fits the narrow one")
-    kernel = tree_final_kernel(packed, wide)
+    kernel = tree_final_kernel(packed, wide, common)
     block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim,
                      BLOCK_M=RULE_LIST_SPECS[kernel][1].get("BLOCK_M", BLOCK_M),
-                     BLOCK_N=block_n, PACKED=int(packed), PAGE=compiled_page(page_size),
-                     PDL=grid_dependency(arch))
+                     BLOCK_N=block_n, PACKED=int(packed), COMMON=int(common),
+                     PAGE=compiled_page(page_size), PDL=grid_dependency(arch))
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
@@ -326,16 +344,20 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, contiguous)
     if kernel.startswith("tree_final"):
         return tree_final_spec(dtype, head_dim, arch, config, kernel != "tree_final", page_size,
-                               kernel == "tree_final_packed_wide")
+                               kernel.endswith("_wide"), kernel.startswith("tree_final_common"))
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config, page_size)
 
 
-def tree_final_kernel(packed: bool, wide: bool = False) -> str:
+def tree_final_kernel(packed: bool, wide: bool = False, common: bool = False) -> str:
     """The rule list of a ``tree_final`` launch: packed programs (several branches each) have
-    their own, one per final tile."""
+    their own, one per final tile, and so do packed programs with a shared range."""
+    if (wide or common) and not packed:
+        raise ValueError("the wide final tile and shared ranges are packed kernels': one "
+                         "branch's group fits the narrow tile and has no lanes to share with")
     if not packed:
         return "tree_final"
-    return "tree_final_packed_wide" if wide else "tree_final_packed"
+    kernel = "tree_final_common" if common else "tree_final_packed"
+    return f"{kernel}_wide" if wide else kernel
 
 
 def rule_kernel(spec: Spec) -> str:

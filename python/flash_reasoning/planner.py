@@ -31,7 +31,11 @@ same folds), kept where it estimates faster.
 Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
 tree cannot repay (one KV head: 512 bytes a token). So the tree is also planned *flat* (every
 node folded: each branch reads its whole path, as a paged decode does), and the plan whose
-launches ``stats["estimated_us"]`` estimates faster is kept.
+launches ``stats["estimated_us"]`` estimates faster is kept. Where a packed final program's
+lanes begin their final ranges in the same folded node (a flat plan's sibling leaves, say),
+the program walks that *shared range* once as a dense tile of all its rows, then each lane's
+rest (``common``): a flat plan of a deep tree of short nodes then reads each node about once
+per program, not once per branch.
 
 The planner itself is C++ (``csrc/core/planner.cc``), shared with the C ABI so that a C++
 runtime plans exactly as Python does; this module describes its input and output.
@@ -76,13 +80,17 @@ class PlanArrays:
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
     packed kernel, when above 1; row ``p`` otherwise), in a tile of ``final_block_m`` rows (the
-    wide packed tile's where its lanes need it); ``early_final``: each partial launch
+    wide packed tile's where its lanes need it); ``common`` (``[programs, 3]`` int32, fields
+    ``specializations.COMMON_FIELDS``; empty unless packed): the range [start, end) each packed
+    program's lanes share at the start of their final ranges (the same pages), read once for
+    all of them through row ``lead_row``'s table, the lanes' ``final_start`` moved to its end
+    (an empty range where start == end); ``early_final``: each partial launch
     lets the launch after it start at its programs' start, not after their walks. ``decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
     tables (``runs_as_decode`` in csrc/core/planner.h says why). ``work``
     holds order, final_start, merge_ptr, entry_slot and each tile's items packed for one
-    upload, list ``i`` from ``work_offsets[i]``."""
+    upload (common after entry_slot), list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
     chunk_start: np.ndarray
     chunk_end: np.ndarray
@@ -95,6 +103,7 @@ class PlanArrays:
     final_start: np.ndarray
     merge_ptr: np.ndarray
     entry_slot: np.ndarray
+    common: np.ndarray
     num_entries: int
     work: np.ndarray
     work_offsets: np.ndarray
@@ -104,6 +113,21 @@ class PlanArrays:
     early_final: bool
     decode: bool
     stats: dict = field(default_factory=dict)
+
+    @property
+    def has_common(self) -> bool:
+        """Whether some packed final program reads a shared range (the COMMON final kernel)."""
+        return bool(self.common.size) and bool((self.common[:, 1] < self.common[:, 2]).any())
+
+    def final_range_starts(self) -> np.ndarray:
+        """Each row's final range start, its program's shared range included (where the
+        final kernel's walk of the row begins)."""
+        starts = self.final_start.copy()
+        if self.common.size:
+            shared = self.common[np.arange(self.order.size) // self.final_lanes]
+            lanes = shared[:, 1] < shared[:, 2]
+            starts[self.order[lanes]] = shared[lanes, 1]
+        return starts
 
 
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,

@@ -30,8 +30,9 @@ def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
 def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
                    out: torch.Tensor) -> None:
     """Executes a :class:`~flash_reasoning.planner.PlanArrays` chunk by chunk (partials, open
-    chunks to their row's length now; then each branch's final range, none when the plan
-    merges separately, merged with its partials), as the kernels do."""
+    chunks to their row's length now; then each branch's final range, its program's shared
+    range included, none when the plan merges separately, merged with its partials), as the
+    kernels do."""
     num_qo_heads, head_dim = q.shape[1:]
     partial_out = torch.zeros(arrays.num_entries, num_qo_heads, head_dim)
     partial_lse = torch.full((arrays.num_entries, num_qo_heads), float("-inf"))
@@ -45,8 +46,9 @@ def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: 
         partial_out[slots], partial_lse[slots] = _attend(
             q[rows], k_pool, v_pool, block_tables[table_row], int(arrays.chunk_start[c]), end,
             sm_scale)
+    starts = arrays.final_range_starts()  # a packed program's shared range included
     for b in range(q.shape[0]):
-        final_start = int(seq_lens[b]) if arrays.separate_merge else int(arrays.final_start[b])
+        final_start = int(seq_lens[b]) if arrays.separate_merge else int(starts[b])
         own_out, own_lse = _attend(q[b:b + 1], k_pool, v_pool, block_tables[b], final_start,
                                    int(seq_lens[b]), sm_scale)
         merged = slice(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])

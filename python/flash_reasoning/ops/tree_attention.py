@@ -209,14 +209,16 @@ class TreeAttentionPlan:
             templates.append(self._decode_template(dtype, grid, final_tokens, paged))
             return templates
         wide = self.arrays.final_block_m != dispatch.BLOCK_M
-        final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide), dtype,
+        common = self.arrays.has_common
+        final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide, common), dtype,
                                     final_tokens, math.prod(grid))
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
-                                                   lanes > 1, self.allocator.block_size, wide),
+                                                   lanes > 1, self.allocator.block_size, wide,
+                                                   common),
                           grid,
                           paged + (self._order, self._final_start, self._merge_ptr,
-                                   self.partial_out, self.partial_lse, "out") + scalars
-                          + (self.num_branches, lanes)))
+                                   self._common, self.partial_out, self.partial_lse, "out")
+                          + scalars + (self.num_branches, lanes)))
         return templates
 
     def _decode_template(self, dtype: str, grid: tuple, longest: int, paged: tuple) -> tuple:
@@ -248,9 +250,9 @@ class TreeAttentionPlan:
         valid, distinct and 16-byte aligned); views of it for the launches."""
         arrays = self.arrays
         parts = [arrays.order, arrays.final_start, arrays.merge_ptr, arrays.entry_slot,
-                 *arrays.items.values()]
+                 arrays.common, *arrays.items.values()]
         self._work = torch.from_numpy(arrays.work).to(device)
-        (self._order, self._final_start, self._merge_ptr, self._entry_slot,
+        (self._order, self._final_start, self._merge_ptr, self._entry_slot, self._common,
          *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
 
     def _quick_check(self, q, layer, out) -> bool:
