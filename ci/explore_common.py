@@ -9,25 +9,17 @@ config; outputs checked (us, interleaved, L2 flushed). The data behind ``kShared
 (csrc/core/planner.h). Run on a GPU: PYTHONPATH=.:python python3 ci/explore_common.py [CASE...]"""
 import sys
 
-from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench
 
 sys.path.insert(0, "ci")
-from explore_overlap import case_queries, poisoned_run, report, try_compile  # noqa: E402
+from explore_overlap import (case_queries, jit_launch, poisoned_run, report,  # noqa: E402
+                             try_compile)
 
 CASES = ("ft_deep16/q32kv8", "ft_deep16/q32kv32", "ft_deep16/q16kv1", "ft_1,16,64/q32kv8",
          "ft_1,2,64/q32kv8", "ft_1,4,256/q32kv8", "ft_1,256/q32kv8", "ft_1,256/q16kv1",
          "ft_1,4,256/q16kv1", "ft_1,4,16,512/q32kv8")
 CONFIGS = ((32, 2, 2), (64, 2, 2), (64, 4, 2), (128, 4, 2))
 ROWS = (16, 32)  # the narrow and the wide final tile: lanes = rows // GQA group
-
-
-def jit_final(launch, config):
-    """``launch`` (a tree_final launch) JIT-compiled at ``config`` (BLOCK_N, warps, stages)."""
-    block_n, warps, stages = config
-    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n}
-    return lambda: JIT_FUNCTIONS["tree_final"][launch.grid](
-        *launch.args, **constexprs, num_warps=warps, num_stages=stages)
 
 
 def explore(name, case, runs=30):
@@ -52,7 +44,7 @@ def explore(name, case, runs=30):
         for config in CONFIGS:
             if config[0] < lanes:  # a KV tile holds a token of each lane
                 continue
-            run = jit_final(launch, config)
+            run = jit_launch(launch, config)
             key = f"flat L{lanes} JIT {'/'.join(map(str, config))}"
             if try_compile(key, run, info):
                 fns[key] = run

@@ -11,8 +11,10 @@ import sys
 import torch
 
 from aot.grid import DECODE_TILE_CANDIDATES, fits_shared_memory
-from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench, dispatch, runtime, timing
+
+sys.path.insert(0, "ci")
+from explore_overlap import jit_launch  # noqa: E402
 
 RUNS = 30
 #: Cases beyond the cases file: the seed's 128-branch row and other head dims.
@@ -26,14 +28,6 @@ def root_cases():
     for branches, root, leaf, kv_heads in ROOTS:
         case = bench.seed_case(branches, root, leaf, num_kv_heads=kv_heads)
         yield {**case, "name": f"b{branches}_root{root}_leaf{leaf}/q32kv{kv_heads}"}
-
-
-def jit_launch(launch, config):
-    """``launch`` through Triton's JIT at (BLOCK_N, warps, stages) ``config``."""
-    block_n, warps, stages = config
-    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n}
-    kernel = JIT_FUNCTIONS[launch.spec.family][launch.grid]
-    return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
 
 
 def explore(case, configs=True):

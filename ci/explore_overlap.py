@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench
 
 RUNS = 30
@@ -63,6 +64,15 @@ def time_plans(name, plans, q, runs):
     fns = {key: (lambda p=p: p.run(q, 0, out)) for key, p in plans.items()}
     return bench.check_and_time(name, fns, lambda fn: poisoned_run(plans.values(), fn, out),
                                 runs)
+
+
+def jit_launch(launch, config):
+    """``launch`` through Triton's JIT at (BLOCK_N, warps, stages) ``config``: the explores'
+    config sweeps of one shipped launch (its items, addressing and grid unchanged)."""
+    block_n, warps, stages = config
+    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n}
+    kernel = JIT_FUNCTIONS[launch.spec.family][launch.grid]
+    return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
 
 
 def try_compile(key, run, info):

@@ -13,13 +13,13 @@ import sys
 import numpy as np
 import torch
 
-from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench, planner, runtime, timing
 from flash_reasoning.runtime import Launch
 from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 
 sys.path.insert(0, "ci")
-from explore_overlap import case_queries, poisoned_run, report, try_compile  # noqa: E402
+from explore_overlap import (case_queries, jit_launch, poisoned_run, report,  # noqa: E402
+                             try_compile)
 
 CASES = ("ft_1,4,16,512/q32kv8", "ft_1,4,16,512/q32kv32", "ft_1,4,16,512/q16kv1",
          "ft_1,1024/q32kv8", "seed_b256/q32kv8", "ft_deep16/q32kv8", "ft_1,16,64/q32kv8",
@@ -36,14 +36,6 @@ def plan_with_weight(alloc, leaves, heads, weight):
         return TreeAttentionPlan(alloc, leaves, heads)
     finally:
         planner.plan = original
-
-
-def jit_partial(launch, config):
-    """``launch`` (a tree_partial launch) JIT-compiled at ``config`` (BLOCK_N, warps, stages)."""
-    block_n, warps, stages = config
-    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n}
-    return lambda: JIT_FUNCTIONS["tree_partial"][launch.grid](
-        *launch.args, **constexprs, num_warps=warps, num_stages=stages)
 
 
 def describe(launch):
@@ -70,7 +62,7 @@ def explore(name, case, runs=30):
             if dict(launch.spec.constexprs)["BLOCK_M"] != 64:
                 continue
             for config in CONFIGS:
-                run = jit_partial(launch, config)
+                run = jit_launch(launch, config)
                 label = f"{key} JIT {'/'.join(map(str, config))}"
                 if try_compile(label, run, info):
                     parts[label] = run

@@ -433,7 +433,8 @@ def check_shared_ranges(alloc, ids, arrays):
 def test_packed_programs_share_the_ranges_their_lanes_share(branches, depth, tokens, group, lanes,
                                                             flat, seed):
     """Random trees packed at any lane count: every path is still read once (the shared range
-    once for each of its lanes), and the shared ranges are shared."""
+    once for each of its lanes), and the shared ranges are shared; a plan where no program
+    shares a range keeps no records."""
     if lanes * group > 32:
         lanes = 32 // group
     alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
@@ -441,8 +442,8 @@ def test_packed_programs_share_the_ranges_their_lanes_share(branches, depth, tok
     tree, arrays = plan_for(alloc, ids, 2 * group, flat=flat, final_lanes=lanes,
                             separate_merge=False)
     check_plan(tree, arrays, group)
-    assert arrays.common.shape == (-(-branches // lanes), 3) or lanes == 1
-    check_shared_ranges(alloc, ids, arrays)
+    shared = check_shared_ranges(alloc, ids, arrays)  # a record per program, where one shares
+    assert arrays.common.shape == ((-(-branches // lanes), 3) if shared else (0, 3))
 
 
 def test_sibling_leaves_read_their_shared_path_once():

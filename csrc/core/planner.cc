@@ -362,7 +362,8 @@ int64_t planned_lanes(Plan& plan, const SegmentTree& tree, const PlanShape& shap
 // The range each packed final program's lanes share at the start of their final ranges: from
 // their common final start to the end of the deepest node above all of them (a folded node:
 // its tokens lie in the same pages for every lane), read once for all their rows; the lanes'
-// final ranges then start at its end. Lanes whose final ranges start apart share nothing here.
+// final ranges then start at its end. Lanes whose final ranges start apart share nothing here;
+// a plan where no program shares anything keeps no records.
 // Every node is folded in a flat plan, so there a program of sibling leaves walks their path
 // once, not once per lane (H100, ft_deep16/q32kv8 flat: 80.1 -> 62.3 us at 8 lanes;
 // docs/perf.md session 25).
@@ -370,6 +371,7 @@ void shared_final_prefixes(const SegmentTree& t, Plan* p) {
   p->common.clear();
   if (p->separate_merge || p->decode || p->final_lanes < 2) return;
   int64_t rows = t.num_rows();
+  bool shared = false;
   for (int64_t first = 0; first < rows; first += p->final_lanes) {
     int64_t last = std::min(rows, first + p->final_lanes);
     int64_t lead = t.order[first], start = p->final_start[lead], end = start;
@@ -379,9 +381,12 @@ void shared_final_prefixes(const SegmentTree& t, Plan* p) {
     while (v >= 0 && (t.node_lo[v] > first || t.node_hi[v] < last)) v = t.node_parent[v];
     if (v >= 0) end = std::max(start, t.node_end[v]);
     p->common.insert(p->common.end(), {int32_t(lead), int32_t(start), int32_t(end)});
-    if (end > start)
+    if (end > start) {
+      shared = true;
       for (int64_t i = first; i < last; ++i) p->final_start[t.order[i]] = int32_t(end);
+    }
   }
+  if (!shared) p->common.clear();
 }
 
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its

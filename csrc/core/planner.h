@@ -202,10 +202,11 @@ struct ItemList {
 // final_lanes > 1 (the packed kernel), row p otherwise. A packed program whose lanes share the
 // start of their final ranges (a node folded into all of them: shared_final_prefixes()) reads
 // that range once for all its rows: common holds kCommonFields.size() int32 per program (an
-// empty range where start == end), and its lanes' final_start is moved to the range's end.
+// empty range where start == end; no records at all where no program shares a range), and its
+// lanes' final_start is moved to the range's end.
 struct Plan {
   std::vector<int32_t> order;
-  std::vector<int32_t> common;  // per final program when packed, else empty
+  std::vector<int32_t> common;  // per final program where one shares a range, else empty
   std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0,
       chunk_open;
   std::vector<ItemList> items;  // by increasing block_m, only tiles in use
@@ -224,11 +225,7 @@ struct Plan {
   double estimated_us = 0;  // estimated_us() of this plan
 
   // Whether some final program reads a shared range (the final launch takes the COMMON kernel).
-  bool has_common() const {
-    for (size_t i = 0; i < common.size(); i += kCommonFields.size())
-      if (common[i + 1] < common[i + 2]) return true;
-    return false;
-  }
+  bool has_common() const { return !common.empty(); }
 };
 
 // The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,

@@ -81,10 +81,11 @@ class PlanArrays:
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
     packed kernel, when above 1; row ``p`` otherwise), in a tile of ``final_block_m`` rows (the
     wide packed tile's where its lanes need it); ``common`` (``[programs, 3]`` int32, fields
-    ``specializations.COMMON_FIELDS``; empty unless packed): the range [start, end) each packed
-    program's lanes share at the start of their final ranges (the same pages), read once for
-    all of them through row ``lead_row``'s table, the lanes' ``final_start`` moved to its end
-    (an empty range where start == end); ``early_final``: each partial launch
+    ``specializations.COMMON_FIELDS``; no rows unless some packed program shares a range): the
+    range [start, end) each packed program's lanes share at the start of their final ranges
+    (the same pages), read once for all of them through row ``lead_row``'s table, the lanes'
+    ``final_start`` moved to its end (an empty range where start == end); ``early_final``: each
+    partial launch
     lets the launch after it start at its programs' start, not after their walks. ``decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
@@ -117,7 +118,7 @@ class PlanArrays:
     @property
     def has_common(self) -> bool:
         """Whether some packed final program reads a shared range (the COMMON final kernel)."""
-        return bool(self.common.size) and bool((self.common[:, 1] < self.common[:, 2]).any())
+        return self.common.size > 0
 
     def final_range_starts(self) -> np.ndarray:
         """Each row's final range start, its program's shared range included (where the

@@ -76,14 +76,14 @@ TREE_ITEM_FIELDS = ("table_row", "kv_start", "kv_end", "row_ptr", "num_rows",
 COMMON_FIELDS = ("lead_row", "start", "end")
 
 _TREE_PAGED = (("q", "*{dt}"), ("k_pool", "*{dt}"), ("v_pool", "*{dt}"),
-                ("block_tables", "*i32"), ("seq_lens", "*i32"))
+               ("block_tables", "*i32"), ("seq_lens", "*i32"))
 _TREE_SCALARS = (("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_heads", "i32"),
                  ("page_size", "i32"), ("max_blocks", "i32"))
 
 TREE_PARTIAL = Family(
     name="tree_partial",
     params=_TREE_PAGED + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
-                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
+                          ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
     + (("early_final", "i32"),),
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "CONTIGUOUS", "PDL"),
     waits_for_previous=True,  # a second partial launch overlaps the first (one per row tile)
@@ -92,8 +92,8 @@ TREE_PARTIAL = Family(
 TREE_FINAL = Family(
     name="tree_final",
     params=_TREE_PAGED + (("order", "*i32"), ("final_start", "*i32"), ("merge_ptr", "*i32"),
-                           ("common", "*i32"), ("partial_out", "*fp32"),
-                           ("partial_lse", "*fp32"), ("out", "*{dt}")) + _TREE_SCALARS
+                          ("common", "*i32"), ("partial_out", "*fp32"),
+                          ("partial_lse", "*fp32"), ("out", "*{dt}")) + _TREE_SCALARS
     + (("num_rows", "i32"), ("lanes", "i32")),
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED", "COMMON", "PAGE", "PDL"),
     waits_for_previous=True,
