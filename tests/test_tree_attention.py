@@ -12,7 +12,7 @@ from flash_reasoning import _launcher, runtime
 from flash_reasoning._launcher import LauncherError
 from flash_reasoning.bench import case_allocator, load_cases
 from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
-from flash_reasoning.specializations import TREE_PARTIAL
+from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 from flash_reasoning.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
                                        random_kv)
 from flash_reasoning.tree import build_branches, from_levels
@@ -145,6 +145,26 @@ def test_contiguous_partials_interpreted(scattered, separate):
     assert partial[0]["CONTIGUOUS"] == (not scattered and not separate)
     assert partial[0]["PAGE"] == 0  # 8-token pages are not compiled as a constant
     assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["CONTIGUOUS"] == 1}
+
+
+@interpreter
+@pytest.mark.parametrize("num_qo_heads,block_m,block_n", [(8, 64, 64), (2, 16, 128)])
+@pytest.mark.parametrize("root_tokens,lengths", [(33, [32]), (64, [64]), (100, [64, 32]),
+                                                 (150, [128, 16])])
+def test_contiguous_partials_whole_tiles_and_tails_interpreted(root_tokens, lengths,
+                                                               num_qo_heads, block_m, block_n):
+    """The contiguous kernel's wide tile walks whole KV tiles unmasked and the rest as one
+    masked step, its narrow tile every tile masked: items of a tail alone, whole tiles alone,
+    and both (from a chunk start past 0) match the reference."""
+    alloc, ids = shared_root("cpu", root_tokens=root_tokens)
+    q = queries(alloc, ids, num_qo_heads)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
+    check(out, q, alloc, ids)
+    (partial,) = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
+    assert (partial["CONTIGUOUS"], partial["BLOCK_M"], partial["BLOCK_N"]) == (1, block_m, block_n)
+    (records,) = plan.arrays.items.values()
+    start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
+    assert list(records[:, end] - records[:, start]) == lengths
 
 
 @interpreter

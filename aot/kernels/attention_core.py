@@ -72,40 +72,95 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     size is one the build compiles for, and the divisions shifts (H100: a shared root's
     compute-bound tiles 12-14% faster, docs/perf.md session 14). With ``CONTIGUOUS`` the
     caller vouches that the range's slots are consecutive in the pool (its pages follow one
-    another): token ``n`` is slot ``first slot + n - start``, one page id for the whole range
-    and no per-token page arithmetic."""
-    d = tl.arange(0, HEAD_DIM)
+    another): :func:`attend_run`."""
     m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
-    offs = tl.arange(0, BLOCK_N)
     if CONTIGUOUS:
-        first = tl.load(table + start // page_size, mask=start < table_tokens, other=0)
-        slot0 = first.to(tl.int64) * page_size + start % page_size - start
-    else:
-        # Each tile's page ids are loaded one iteration ahead: read in the tile's own
-        # iteration, the page table is a third dependent DRAM round trip before K and V
-        # (docs/perf.md). The first tile's are bounded by the table, not by ``end``: where
-        # ``end`` is a length loaded by the caller, both loads are in flight at once (ids
-        # past ``end`` are never used).
-        page = tl.load(table + (start + offs) // page_size, mask=start + offs < table_tokens,
-                       other=0)
+        # The narrow tile's loop is faster masked in every step (H100, docs/perf.md session 26).
+        return attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head,
+                          num_kv_heads, page_size, start, end, sm_scale_log2, HEAD_DIM, BLOCK_N,
+                          BLOCK_M >= 64)
+    offs = tl.arange(0, BLOCK_N)
+    # Each tile's page ids are loaded one iteration ahead: read in the tile's own iteration,
+    # the page table is a third dependent DRAM round trip before K and V (docs/perf.md). The
+    # first tile's are bounded by the table, not by ``end``: where ``end`` is a length loaded
+    # by the caller, both loads are in flight at once (ids past ``end`` are never used).
+    page = tl.load(table + (start + offs) // page_size, mask=start + offs < table_tokens,
+                   other=0)
     for n0 in tl.range(start, end, BLOCK_N):
         n = n0 + offs
         n_ok = n < end
-        if CONTIGUOUS:
-            kv_rows = (slot0 + n) * num_kv_heads + kv_head
-        else:
-            kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
-        kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        if not CONTIGUOUS:
-            ahead = n + BLOCK_N
-            page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
-        s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
+        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+        k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
+        ahead = n + BLOCK_N
+        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        s = tile_scores(qt, k, n_ok, sm_scale_log2, True)
         # Every tile holds at least one valid key (n0 < end): no row is empty.
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, False)
     return m_i, l_i, acc
+
+
+@triton.jit
+def attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads,
+               page_size, start, end, sm_scale_log2, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, WHOLE_TILES_UNMASKED: tl.constexpr):
+    """:func:`attend` over a range whose slots are consecutive in the pool, continuing the
+    online-softmax state (m_i, l_i, acc): token ``n`` is slot ``first slot + n - start``, one
+    page id for the whole range and no per-token page arithmetic. With
+    ``WHOLE_TILES_UNMASKED`` whole tiles run unmasked and the last, partial tile (if any) is
+    one masked step after the loop (H100: the 64-row tile's compute-bound roots ~10% faster;
+    the 16-row tile's launches 5-12% slower, docs/perf.md session 26); without, every step is
+    masked."""
+    offs = tl.arange(0, BLOCK_N)
+    first = tl.load(table + start // page_size, mask=start < table_tokens, other=0)
+    slot0 = first.to(tl.int64) * page_size + start % page_size - start
+    if WHOLE_TILES_UNMASKED:
+        whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in tl.range(start, whole_end, BLOCK_N):
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0 + offs,
+                                        end, kv_head, num_kv_heads, sm_scale_log2, HEAD_DIM,
+                                        False)
+        if whole_end < end:
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0,
+                                        whole_end + offs, end, kv_head, num_kv_heads,
+                                        sm_scale_log2, HEAD_DIM, True)
+    else:
+        for n0 in tl.range(start, end, BLOCK_N):
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0 + offs,
+                                        end, kv_head, num_kv_heads, sm_scale_log2, HEAD_DIM,
+                                        True)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n, end, kv_head, num_kv_heads,
+                sm_scale_log2, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Tokens ``n`` of a run of slots (token ``n`` is slot ``slot0 + n``) folded into the
+    online-softmax state; ``MASKED``: some may lie past ``end`` (at least the first may not:
+    no row is left empty)."""
+    n_ok = n < end
+    k, v = load_kv(k_pool, v_pool, (slot0 + n) * num_kv_heads + kv_head, n_ok, HEAD_DIM, MASKED)
+    s = tile_scores(qt, k, n_ok, sm_scale_log2, MASKED)
+    return online_softmax_step(m_i, l_i, acc, s, v, False)
+
+
+@triton.jit
+def load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """The K and V rows ``kv_rows`` of the pools (with ``MASKED``, zeros where not ``n_ok``)."""
+    kv_off = kv_rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    if MASKED:
+        return (tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0),
+                tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0))
+    return tl.load(k_pool + kv_off), tl.load(v_pool + kv_off)
+
+
+@triton.jit
+def tile_scores(qt, k, n_ok, sm_scale_log2, MASKED: tl.constexpr):
+    """The base-2 scores of ``qt`` against the key tile ``k`` (with ``MASKED``, -inf where not
+    ``n_ok``)."""
+    s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
+    if MASKED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -119,7 +174,6 @@ def attend_lanes(m_i, l_i, acc, qt, row_lane, k_pool, v_pool, tables, start, end
     empty range for a lane without a sequence). Each step loads ``tokens_per_lane`` tokens of
     every lane's range, a row sees its own lane's keys only, and the loop runs until the
     longest range ends; a row that has seen no key stays (-inf, 0, 0)."""
-    d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, BLOCK_N)
     own_lane = row_lane[:, None] == (t // tokens_per_lane)[None, :]
     n = start + t % tokens_per_lane
@@ -127,9 +181,7 @@ def attend_lanes(m_i, l_i, acc, qt, row_lane, k_pool, v_pool, tables, start, end
     for _ in tl.range(0, tl.cdiv(tl.max(end - start, 0), tokens_per_lane)):
         n_ok = n < end
         kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
-        kv_off = kv_rows[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0)
+        k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
         n += tokens_per_lane
         page = tl.load(tables + n // page_size, mask=n < end, other=0)
         s = tl.dot(qt, tl.trans(k)) * sm_scale_log2
