@@ -142,10 +142,10 @@ TWO_RUNS = variant(
     m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
     m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
                                kv_head, num_kv_heads, page_size, tl.load(item + KV_START),
-                               split, sm_scale_log2, HEAD_DIM, BLOCK_N)
+                               split, sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64)
     m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
                                kv_head, num_kv_heads, page_size, split, kv_end,
-                               sm_scale_log2, HEAD_DIM, BLOCK_N)"""))
+                               sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64)"""))
 PARAMS = [name for name, _ in TREE_PARTIAL.params]
 
 
@@ -158,7 +158,8 @@ def run_splits(launch, page_size):
     splits = []
     for record in items:
         n = np.arange(record[START], record[END])
-        slots = tables[record[row_field], n // page_size].astype(np.int64) * page_size + n % page_size
+        pages = tables[record[row_field], n // page_size].astype(np.int64)
+        slots = pages * page_size + n % page_size
         breaks = np.flatnonzero(np.diff(slots) != 1)
         if len(breaks) > 1:
             return None
@@ -172,7 +173,7 @@ def two_runs(name, case, runs=30):
     alloc, leaves, q = case_queries(case)
     plan = TreeAttentionPlan(alloc, leaves, case["num_qo_heads"])
     launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q.new_empty(q.shape))
-    fns, info = {}, []
+    fns, aot_of, info = {}, {}, []
     for i, launch in enumerate(launches[:-1]):
         splits = run_splits(launch, alloc.block_size)
         key = f"partial{i} {describe(launch)}"
@@ -191,6 +192,8 @@ def two_runs(name, case, runs=30):
             fns[f"{key} JIT two runs {cfg}"] = (
                 lambda a=args, g=launch.grid, c={**constexprs, "BLOCK_N": block_n}, w=warps,
                 s=stages: TWO_RUNS.tree_partial[g](*a, **c, num_warps=w, num_stages=s))
+            aot_of.update({f"{key} JIT paged {cfg}": f"{key} AOT",
+                           f"{key} JIT two runs {cfg}": f"{key} AOT"})
         ends = launch.args[PARAMS.index("items")].view(-1, len(TREE_ITEM_FIELDS))[:, END]
         info.append(f"{key}: {int((splits != ends).sum())} of {len(splits)} items in two runs")
     outputs = {}
@@ -199,8 +202,8 @@ def two_runs(name, case, runs=30):
         fn()
         torch.cuda.synchronize()
         outputs[key] = plan.partial_out.clone()
-    for key, out in outputs.items():
-        reference = outputs[key.split(" JIT")[0].split(" AOT")[0] + " AOT"]
+    for key, aot in aot_of.items():
+        out, reference = outputs[key], outputs[aot]
         same = torch.equal(out.isnan(), reference.isnan()) and torch.allclose(
             out.nan_to_num(), reference.nan_to_num(), atol=2e-3, rtol=2e-3)
         if not same:

@@ -3,10 +3,10 @@ size compiled in) on a shared root's shape (BLOCK_M-row tiles of 512-4096 rows p
 over one 2000-4096 token range), paged (``page16``) and addressing the range as one run of
 slots (``contig``: exact here, where the table is the identity), against the loop with each
 difference from the dense Triton tutorial's shape switched (``attend_variant``: masks, a
-separate tail, TMA) and dense attention
-of the same FLOPs (torch SDPA's cuDNN and flash backends) as the bar. The variants measured
-once and dropped (the next tile's QK^T first, pages as a 3-D tile, a register cap) are in
-docs/perf.md session 14; this script's sweep is session 26's.
+separate tail, TMA) and dense attention of the same FLOPs (torch SDPA's cuDNN and flash
+backends) as the bar; every variant's output is checked against torch (``expected_out``).
+The variants measured once and dropped (the next tile's QK^T first, pages as a 3-D tile, a
+register cap) are in docs/perf.md session 14; this script's sweep is session 26's.
 Run on a GPU: PYTHONPATH=.:python python3 ci/explore_root.py [VARIANT ...] [--shape=PREFIX]"""
 import math
 import sys
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aot.kernels.attention_core import attend, online_softmax_step
+from aot.kernels.attention_core import attend, load_kv
 from flash_reasoning import timing
 
 
@@ -40,13 +40,7 @@ def variant_tile(m_i, l_i, acc, page, qt, k_src, v_src, table, slot0, n0, end, k
             rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
         else:
             rows = (slot0 + n) * num_kv_heads + kv_head
-        kv_off = rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-        if LOAD_MASK:
-            k = tl.load(k_src + kv_off, mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_src + kv_off, mask=n_ok[:, None], other=0.0)
-        else:
-            k = tl.load(k_src + kv_off)
-            v = tl.load(v_src + kv_off)
+        k, v = load_kv(k_src, v_src, rows, n_ok, HEAD_DIM, LOAD_MASK)
     if PREFETCH:
         page = tl.load(table + (n + BLOCK_N) // page_size, mask=n + BLOCK_N < end, other=0)
     qk = tl.dot(qt, tl.trans(k))
@@ -174,7 +168,8 @@ def problem(rows, tokens, chunks, block_m, shuffled):
     blocks = tokens // PAGE
     k = torch.randn(blocks, PAGE, KV_HEADS, DIM, device="cuda").half()
     v = torch.randn_like(k)
-    order = torch.randperm(blocks, device="cuda") if shuffled else torch.arange(blocks, device="cuda")
+    order = (torch.randperm(blocks, device="cuda") if shuffled
+             else torch.arange(blocks, device="cuda"))
     tables = order.to(torch.int32).view(1, blocks)
     step = tokens // chunks
     ranges = torch.tensor([[0, c * step, (c + 1) * step, t] for t in range(tiles)
@@ -231,7 +226,8 @@ def run_shape(name, rows, tokens, chunks, shuffled, chosen):
                 continue
             cells = []
             for block_n, warps, stages in configs:
-                if switches["MASK"] != 3 and not switches["TAIL"] and (tokens // chunks) % block_n:
+                unmasked_to_end = switches["MASK"] != 3 and not switches["TAIL"]
+                if unmasked_to_end and (tokens // chunks) % block_n:
                     cells.append(f"{block_n}/{warps}/{stages}:n/a (a tail)")
                     continue
 
