@@ -6,11 +6,10 @@ items, addressing and grid unchanged); outputs of the whole plans checked (us, i
 flushed). ``--items``: each case's wide partial launch alone with its items reordered and by range
 length (``subsets``); ``--profile CASE TOKENS``: its items of at least TOKENS tokens alone, three
 times, for Nsight Compute (``profile``). Run on a GPU: PYTHONPATH=.:python python3
-ci/explore_partial.py [--items | --runs] [CASE...] | --profile CASE TOKENS
+ci/explore_partial.py [--items] [CASE...] | --profile CASE TOKENS
 
-``--runs`` (session 26): each case's partial launches with every item read as at most two runs
-of consecutive slots (a folded item: its ancestor's pages, then its own), JIT-compiled
-(``two_runs``), against the shipped paged kernel; outputs checked against it."""
+(Session 26's ``--runs``, items read as two runs of slots by a patched kernel, became the
+shipped two-run kernels: ``planner.item_runs``.)"""
 import functools
 import sys
 
@@ -23,7 +22,7 @@ from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 
 sys.path.insert(0, "ci")
 from explore_overlap import (case_queries, jit_launch, poisoned_run, report,  # noqa: E402
-                             try_compile, variant)
+                             try_compile)
 
 CASES = ("ft_1,4,16,512/q32kv8", "ft_1,4,16,512/q32kv32", "ft_1,4,16,512/q16kv1",
          "ft_1,1024/q32kv8", "seed_b256/q32kv8", "ft_deep16/q32kv8", "ft_1,16,64/q32kv8",
@@ -129,93 +128,9 @@ def profile(name, case, min_tokens):
     print(f"{name}: {one.spec.name} over {one.grid[0]} items x {one.grid[1]} KV heads", flush=True)
 
 
-TWO_RUNS = variant(
-    "two_runs",
-    ("from aot.kernels.attention_core import (attend,",
-     "from aot.kernels.attention_core import (attend, attend_run,"),
-    ("                 partial_out, partial_lse,\n",
-     "                 partial_out, partial_lse, splits,\n"),
-    ("""    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
-                           num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
-                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, CONTIGUOUS)""",
-     """    split = tl.load(splits + tl.program_id(0))
-    m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
-    m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
-                               kv_head, num_kv_heads, page_size, tl.load(item + KV_START),
-                               split, sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64)
-    m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
-                               kv_head, num_kv_heads, page_size, split, kv_end,
-                               sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64)"""))
-PARAMS = [name for name, _ in TREE_PARTIAL.params]
-
-
-def run_splits(launch, page_size):
-    """Where each item of ``launch`` breaks from one run of consecutive slots into a second
-    (its end where it is one run), or None where some item needs more than two runs."""
-    items = launch.args[PARAMS.index("items")].cpu().numpy().reshape(-1, len(TREE_ITEM_FIELDS))
-    tables = launch.args[PARAMS.index("block_tables")].cpu().numpy()
-    row_field = TREE_ITEM_FIELDS.index("table_row")
-    splits = []
-    for record in items:
-        n = np.arange(record[START], record[END])
-        pages = tables[record[row_field], n // page_size].astype(np.int64)
-        slots = pages * page_size + n % page_size
-        breaks = np.flatnonzero(np.diff(slots) != 1)
-        if len(breaks) > 1:
-            return None
-        splits.append(record[END] if len(breaks) == 0 else record[START] + breaks[0] + 1)
-    return torch.tensor(splits, dtype=torch.int32, device=launch.args[0].device)
-
-
-def two_runs(name, case, runs=30):
-    """Each partial launch of the planner's plan: AOT, JIT at its config and at 64/4/3, and
-    JIT with its items read as two runs (``TWO_RUNS``) at both configs; outputs compared."""
-    alloc, leaves, q = case_queries(case)
-    plan = TreeAttentionPlan(alloc, leaves, case["num_qo_heads"])
-    launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q.new_empty(q.shape))
-    fns, aot_of, info = {}, {}, []
-    for i, launch in enumerate(launches[:-1]):
-        splits = run_splits(launch, alloc.block_size)
-        key = f"partial{i} {describe(launch)}"
-        if launch.spec.family != "tree_partial" or splits is None:
-            info.append(f"{key}: not two runs")
-            continue
-        at = PARAMS.index("partial_lse") + 1
-        args = (*launch.args[:at], splits, *launch.args[at:])
-        constexprs = dict(launch.spec.constexprs)
-        shipped = (constexprs["BLOCK_N"], launch.spec.num_warps, launch.spec.num_stages)
-        fns[f"{key} AOT"] = lambda l=launch: runtime.run([l], q.device)
-        for config in dict.fromkeys((shipped, (64, 4, 3))):
-            block_n, warps, stages = config
-            cfg = "/".join(map(str, config))
-            fns[f"{key} JIT paged {cfg}"] = jit_launch(launch, config)
-            fns[f"{key} JIT two runs {cfg}"] = (
-                lambda a=args, g=launch.grid, c={**constexprs, "BLOCK_N": block_n}, w=warps,
-                s=stages: TWO_RUNS.tree_partial[g](*a, **c, num_warps=w, num_stages=s))
-            aot_of.update({f"{key} JIT paged {cfg}": f"{key} AOT",
-                           f"{key} JIT two runs {cfg}": f"{key} AOT"})
-        ends = launch.args[PARAMS.index("items")].view(-1, len(TREE_ITEM_FIELDS))[:, END]
-        info.append(f"{key}: {int((splits != ends).sum())} of {len(splits)} items in two runs")
-    outputs = {}
-    for key, fn in fns.items():
-        plan.partial_out.fill_(float("nan"))
-        fn()
-        torch.cuda.synchronize()
-        outputs[key] = plan.partial_out.clone()
-    for key, aot in aot_of.items():
-        out, reference = outputs[key], outputs[aot]
-        same = torch.equal(out.isnan(), reference.isnan()) and torch.allclose(
-            out.nan_to_num(), reference.nan_to_num(), atol=2e-3, rtol=2e-3)
-        if not same:
-            info.append(f"{key}: WRONG against AOT")
-    report(name, info, timing.median_us_each(fns, runs))
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--items"]:
         bench.explore_cases(subsets, sys.argv[2:])
-    elif sys.argv[1:2] == ["--runs"]:
-        bench.explore_cases(two_runs, sys.argv[2:] or CASES)
     elif sys.argv[1:2] == ["--profile"]:
         bench.explore_cases(lambda name, case: profile(name, case, int(sys.argv[3])),
                             sys.argv[2:3])

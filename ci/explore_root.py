@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from aot.kernels.attention_core import attend, load_kv
+from aot.kernels.attention_core import attend, attend_runs, load_kv
 from flash_reasoning import timing
 
 
@@ -118,10 +118,14 @@ def root_kernel(q, k_pool, v_pool, tables, ranges, out, lse_out, sm_scale_log2,
     table = tables + tl.load(ranges + item * 4).to(tl.int64) * max_blocks
     start = tl.load(ranges + item * 4 + 1)
     end = tl.load(ranges + item * 4 + 2)
-    if SHIPPED:
+    if SHIPPED and CONTIGUOUS:
+        m_i, l_i, acc = attend_runs(qt, k_pool, v_pool, table, max_blocks * PAGE, kv_head,
+                                    num_kv_heads, PAGE, start, end, end, sm_scale_log2, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, 1)
+    elif SHIPPED:
         m_i, l_i, acc = attend(qt, k_pool, v_pool, table, max_blocks * PAGE, kv_head,
                                num_kv_heads, PAGE, start, end, sm_scale_log2, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, CONTIGUOUS)
+                               BLOCK_N)
     else:
         m_i, l_i, acc = attend_variant(qt, k_pool, v_pool, table, max_blocks * PAGE, kv_head,
                                        num_kv_heads, PAGE, start, end, sm_scale_log2, HEAD_DIM,

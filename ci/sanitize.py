@@ -1,8 +1,8 @@
 """Runs every kernel at least once on edge-shaped trees, for compute-sanitizer (ci/sanitize.sh).
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
-copies of copy-on-write, tree_partial (both tiles, closed and open items), tree_final (one
-branch per program, packed, and packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
+copies of copy-on-write, tree_partial (both tiles, closed and open items, paged and as one or
+two runs of slots), tree_final (one branch per program, packed, and packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
 and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
@@ -112,13 +112,18 @@ def deep_tree():
     return alloc, level
 
 
-def shared_prefix_tree(leaves):
+def shared_prefix_tree(leaves, broken=False):
     """A 600-token root under ``leaves`` leaves of 40 tokens: computed once for all of them
-    (4 leaves x group 4 fill the 16-row tile, 8 leaves the 64-row one)."""
+    (4 leaves x group 4 fill the 16-row tile, 8 leaves the 64-row one). ``broken``: another
+    branch takes a block while the root is written, so the root's pages break once (at token
+    304) and the items across it take the two-run kernels."""
     gen = torch.Generator().manual_seed(2)
     alloc = poisoned_allocator(64 + 4 * leaves, 8, 128, torch.float16)
     root = alloc.alloc_branch(0).branch_id
-    write(alloc, gen, root, 600)
+    write(alloc, gen, root, 300)
+    if broken:
+        write(alloc, gen, alloc.alloc_branch(0).branch_id, 1)
+    write(alloc, gen, root, 300, start=300)
     ids = [alloc.alloc_branch(600, parent_branch_id=root).branch_id for _ in range(leaves)]
     for kid in ids:
         write(alloc, gen, kid, 40, start=600)
@@ -131,7 +136,7 @@ class Checker:
         self.failures: list[str] = []
         self.checks = 0
         self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
-        self.contiguous: set[int] = set()  # ... on the kernels that read one run of slots
+        self.runs: set[tuple[int, int]] = set()  # (tile, runs of slots) of contiguous ones
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
         self.decode_plans = 0  # plans with no partials: one paged_decode launch
         self.shared_plans = 0  # plans whose packed programs read a shared range once
@@ -163,7 +168,7 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
                                  separate_merge=merge, final_lanes=lane, flat=flat)
         check.tiles.update(plan.arrays.items)
-        check.contiguous.update(tile for tile, run in plan.contiguous.items() if run)
+        check.runs.update((tile, runs) for tile, runs in plan.contiguous.items() if runs)
         check.shared_plans += plan.arrays.has_common
         if plan.arrays.decode:
             check.decode_plans += 1
@@ -198,13 +203,15 @@ def main() -> int:
         name = f"edges {str(dtype)[6:]} d{head_dim} kv{kv_heads} group {group}"
         check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16),
                    merges=(False, True), lanes=(None, 16 // group, 32 // group))
-    for leaves in (4, 8):
-        check_tree(check, f"shared prefix x{leaves}", *shared_prefix_tree(leaves), 4,
-                   chunks=(None, 64), merges=(False, True))
+    for leaves, broken in itertools.product((4, 8), (False, True)):
+        check_tree(check, f"shared prefix x{leaves}{', broken' if broken else ''}",
+                   *shared_prefix_tree(leaves, broken), 4, chunks=(None, 64),
+                   merges=(False, True))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     check_tree(check, "deep, flat", *deep_tree(), 4, lanes=(None, 4, 8), flat=True)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
-          f"tiles run: {sorted(check.tiles)} (contiguous: {sorted(check.contiguous)}); "
+          f"tiles run: {sorted(check.tiles)} (contiguous, as (tile, runs): "
+          f"{sorted(check.runs)}); "
           f"tree_final lanes run: {sorted(check.lanes)}; plans run as a paged decode: "
           f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}",
           flush=True)

@@ -66,7 +66,7 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
         for hd, (kernel, block_m) in itertools.product(dispatch.HEAD_DIMS, dispatch.RULE_LISTS):
             for page_size, contiguous in dispatch.addressings(kernel):
                 key = dispatch.rule_key(kernel, dtype, hd, block_m, page_size, contiguous)
-                rule_list = dispatch.rules(kernel, dtype, hd, arch, block_m)[0]
+                rule_list = dispatch.rules(kernel, dtype, hd, arch, block_m, contiguous)[0]
                 token_bounds = {b for _, b, _ in rule_list if b}
                 program_bounds = {math.floor(p * num_sms) for p, _, _ in rule_list if p}
                 for tokens in {None, 1, 16, 17, 4096} | {b + d for b in token_bounds
@@ -74,7 +74,7 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
                     for programs in {None, 1, 8192} | {b + d for b in program_bounds
                                                        for d in (0, 1)}:
                         config = dispatch.config_for(kernel, dtype, hd, arch, tokens, block_m,
-                                                     programs, num_sms)
+                                                     programs, num_sms, contiguous)
                         picked = launcher.pick(key, -1 if tokens is None else tokens,
                                                -1 if programs is None else programs, num_sms)
                         assert picked == dispatch.kernel_spec(

@@ -581,6 +581,15 @@ def deep_tree(dtype, head_dim, device="cuda", block_size=16):
     return case_allocator(case, device=device, block_size=block_size)
 
 
+def folded_tree(dtype, head_dim, device="cuda", block_size=16):
+    """ft_1,4,16,512's tree: the 1024-token root folded into its four children's items, each
+    read as two runs of slots (the root's pages, then the child's: the two-run kernel)."""
+    from flash_reasoning.bench import case_allocator, load_cases
+    case = next(c for c in load_cases()["cases"] if c["name"] == "ft_1,4,16,512/q32kv8")
+    case = dict(case, head_dim=head_dim, dtype=str(dtype).split(".")[-1])
+    return case_allocator(case, device=device, block_size=block_size)
+
+
 def test_trees_take_the_final_kernels_they_are_meant_to():
     """What the GPU tests below rely on (H100, 132 SMs): a separate merge, one branch per
     final program, four, eight, a paged decode, eight with shared ranges."""
@@ -598,17 +607,19 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
 
 
 @pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
-@pytest.mark.parametrize("make_tree, contiguous", [(long_branches_tree, False), (seed_like_tree, True),
-                                                   (packed_tree, True), (wide_packed_tree, True),
-                                                   (unshared_tree, None), (deep_tree, None)])
-def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous, block_size, page):
+@pytest.mark.parametrize("make_tree, runs", [(long_branches_tree, 0), (seed_like_tree, 1),
+                                             (packed_tree, 1), (wide_packed_tree, 1),
+                                             (folded_tree, 2), (unshared_tree, None),
+                                             (deep_tree, None)])
+def test_plan_kernels_agree_with_python(api, host_context, make_tree, runs, block_size, page):
     """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
     blocks takes the kernels compiled for that page size, any other size the generic ones. The
     roots lie in consecutive pages: their partial launch reads them as one run of slots, except
-    where it also holds the branches' open chunks (long_branches_tree merges separately). A
-    plan with no partials launches paged_decode's kernel alone (unshared_tree), or, where its
-    final programs share ranges (deep_tree), the COMMON final kernel alone; eight lanes of group
-    4 (wide_packed_tree, deep_tree) take the wide final tile's kernel."""
+    where it also holds the branches' open chunks (long_branches_tree merges separately), and
+    as two where the root is folded into its children (folded_tree). A plan with no partials
+    launches paged_decode's kernel alone (unshared_tree), or, where its final programs share
+    ranges (deep_tree), the COMMON final kernel alone; eight lanes of group 4
+    (wide_packed_tree, deep_tree) take the wide final tile's kernel."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
     rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
@@ -620,12 +631,12 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, contiguous
     assert names == expected
     if make_tree is deep_tree:
         assert len(names) == 1 and names[0].startswith("tree_final") and "_common1_" in names[0]
-    elif contiguous is None:
+    elif runs is None:
         assert len(names) == 1 and names[0].startswith("paged_decode")
     else:
         assert len(names) >= 2 and names[0].startswith("tree_partial")
-        assert ("_page0_contiguous1_" in names[0]) == contiguous
-    paged = [name for name in names[bool(contiguous):] if not name.startswith("tree_merge")]
+        assert f"_contiguous{runs}_" in names[0] and ("_page0_" in names[0] or not runs)
+    paged = [name for name in names[bool(runs):] if not name.startswith("tree_merge")]
     assert paged and all(page in name for name in paged)
     assert ("_block_m32_" in names[-1]) == (make_tree in (wide_packed_tree, deep_tree))
     api.lib.frPlanDestroy(plan)
@@ -642,17 +653,20 @@ def kernel_names(api, plan) -> list:
     return names
 
 
-@pytest.mark.parametrize("scatter", [False, True])
-def test_plan_reads_a_root_in_consecutive_pages_as_one_run(api, host_context, scatter):
-    """A shared root whose pages follow one another takes the contiguous partial kernel; two
-    pages swapped, the paged one."""
+@pytest.mark.parametrize("scatter, runs", [(None, 1), ("rotate", 2), ("swap", 0)])
+def test_plan_reads_a_root_in_runs_of_consecutive_pages(api, host_context, scatter, runs):
+    """A shared root whose pages follow one another takes the contiguous partial kernel; its
+    pages rotated (one break, inside an item), the two-run kernel; two pages swapped (three
+    breaks in one item), the paged one."""
     problem = shared_root(8, root=1024, leaf=8)
-    if scatter:
+    if scatter == "rotate":
+        problem.tables[:, :64] = np.roll(problem.tables[:, :64], -37, axis=1)
+    elif scatter == "swap":
         problem.tables[:, [3, 4]] = problem.tables[:, [4, 3]]
     rc, msg, plan = api.plan(host_context, problem)
     assert rc == FR_OK, msg
     partial = [name for name in kernel_names(api, plan) if name.startswith("tree_partial")]
-    assert partial and all(("_contiguous1_" in name) != scatter for name in partial)
+    assert partial and all(f"_contiguous{runs}_" in name for name in partial)
     api.lib.frPlanDestroy(plan)
 
 
@@ -672,7 +686,7 @@ def test_plan_kernel_name_rejects(api, host_context):
 
 @gpu
 @pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree,
-                                       wide_packed_tree, unshared_tree, deep_tree])
+                                       wide_packed_tree, unshared_tree, deep_tree, folded_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)

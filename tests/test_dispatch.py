@@ -148,9 +148,9 @@ def test_every_config_a_call_can_pick_is_required(arch):
         for head_dim in dispatch.HEAD_DIMS:
             for tokens, programs in itertools.product(LENGTHS, PROGRAMS):
                 for kernel, block_m in dispatch.RULE_LISTS:
-                    config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens, block_m,
-                                                 programs, 132)
                     for page_size, contiguous in dispatch.addressings(kernel):
+                        config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens,
+                                                     block_m, programs, 132, contiguous)
                         assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
                                                     block_m, page_size, contiguous) in required
             assert dispatch.decode_spec(dtype, head_dim, True, arch) in required
@@ -187,21 +187,44 @@ def test_a_compiled_page_size_has_its_own_kernels_with_the_same_configs(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_contiguous_partial_kernels_have_their_own_rules_with_the_same_configs(arch):
-    """tree_partial alone is also compiled to read ranges as one run of slots, for any page
-    size; its rule lists pick the configs of the page-size-at-run-time lists."""
-    assert dispatch.addressings("tree_partial") == ((0, False), (16, False), (0, True))
-    assert dispatch.addressings("tree_final") == ((0, False), (16, False))
-    assert dispatch.rule_key("tree_partial", "float16", 128, 64, 16, True) == \
+def test_contiguous_partial_kernels_have_their_own_rules(arch, override):
+    """tree_partial alone is also compiled to read ranges as one or two runs of slots, for any
+    page size; their rule lists pick the configs of the page-size-at-run-time lists where the
+    table has no list of their own."""
+    override({}, arch)  # a table without the contiguous lists (the shipped one may have some)
+    assert dispatch.addressings("tree_partial") == ((0, 0), (16, 0), (0, 1), (0, 2))
+    assert dispatch.addressings("tree_final") == ((0, 0), (16, 0))
+    assert dispatch.rule_key("tree_partial", "float16", 128, 64, 16, 1) == \
         "tree_partial/float16/128/64/contiguous"
+    assert dispatch.rule_key("tree_partial", "float16", 128, 16, 0, 2) == \
+        "tree_partial/float16/128/16/two_runs"
     with pytest.raises(ValueError, match="no contiguous kernels"):
-        dispatch.rule_key("tree_final", "float16", 128, None, 0, True)
+        dispatch.rule_key("tree_final", "float16", 128, None, 0, 1)
     with pytest.raises(ValueError, match="no contiguous kernels"):
-        dispatch.kernel_spec("paged_decode", "float16", 128, arch, (64, 4, 2), None, 0, True)
-    assert_mirrored_rule_lists(dispatch.dispatch_rules(arch)["rules"], "/contiguous",
-                               "_contiguous1_", "_contiguous0_", len(dispatch.TREE_BLOCK_MS))
-    spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, contiguous=True)
-    assert spec.key["CONTIGUOUS"] == 1 and spec.key["PAGE"] == 0
+        dispatch.kernel_spec("paged_decode", "float16", 128, arch, (64, 4, 2), None, 0, 1)
+    with pytest.raises(ValueError, match="no contiguous kernels read 3 runs"):
+        dispatch.tree_partial_spec("float16", 128, 64, arch, None, 0, 3)
+    for suffix, mark in (("/contiguous", "_contiguous1_"), ("/two_runs", "_contiguous2_")):
+        assert_mirrored_rule_lists(dispatch.dispatch_rules(arch)["rules"], suffix, mark,
+                                   "_contiguous0_", len(dispatch.TREE_BLOCK_MS))
+    spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, contiguous=2)
+    assert spec.key["CONTIGUOUS"] == 2 and spec.key["PAGE"] == 0
+
+
+def test_a_table_list_of_the_contiguous_kernels_serves_them_alone(override):
+    """A tuning table's ``.../two_runs`` list picks the two-run kernels' configs; the page
+    kernels' and the one-run kernels' keep theirs."""
+    override({"tree_partial/float16/128/64/two_runs": ((None, None, (128, 8, 2)),)})
+    assert dispatch.config_for("tree_partial", "float16", 128, "sm90", 1024, 64, 1000, 132,
+                               2) == (128, 8, 2)
+    for runs in (0, 1):
+        assert dispatch.config_for("tree_partial", "float16", 128, "sm90", 1024, 64, 1000, 132,
+                                   runs) == dispatch.config_for(
+            "tree_partial", "float16", 128, "sm90", 1024, 64, 1000, 132) != (128, 8, 2)
+    assert dispatch.config_reason("tree_partial", "float16", 128, "sm90", 1024, 64, 1000, 132,
+                                  2).startswith(tuning_table.ENV_VAR)
+    assert dispatch.tree_partial_spec("float16", 128, 64, "sm90", contiguous=2) in \
+        dispatch.required_specs("sm90")
 
 
 def test_required_specs_follow_the_table(override):
@@ -323,6 +346,6 @@ def test_shipped_tables_are_valid_and_name_their_arch(arch, monkeypatch):
     assert (table is not None) == (arch in MEASURED_ARCHS)  # the README says which
     if table is not None:
         assert table.arch == arch and table.measured_on.get("device")
-        keys = {dispatch.rule_key(k, d, h, b) for k, b in dispatch.RULE_LISTS for d in DTYPES
-                for h in dispatch.HEAD_DIMS}
+        keys = {dispatch.rule_key(k, d, h, b, 0, runs) for k, b in dispatch.RULE_LISTS
+                for d in DTYPES for h in dispatch.HEAD_DIMS for _, runs in dispatch.addressings(k)}
         assert set(table.rules) <= keys

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flash_reasoning import PhysicalKVAllocator, planner
+from flash_reasoning import PhysicalKVAllocator, dispatch, planner
 from flash_reasoning.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.synthetic import random_branches
@@ -67,7 +67,10 @@ def check_plan(tree, arrays, group):
     seen = {}
     for block_m, records in arrays.items.items():
         for rec in records:
-            (table_row, start, end, row_ptr, rows, first, entry0, is_open) = rec.tolist()
+            fields = dict(zip(TREE_ITEM_FIELDS, rec.tolist()))
+            start, end, is_open = fields["kv_start"], fields["kv_end"], fields["open_end"]
+            rows, first, entry0 = fields["num_rows"], fields["first_flat_row"], fields["entry0"]
+            assert fields["run_split"] == end  # one run until item_runs finds two
             for f in range(first, min(first + block_m, rows * group)):
                 key = (entry0 + f // group, f % group)
                 assert key not in seen
@@ -403,6 +406,7 @@ def test_item_fields_match_the_core():
     from flash_reasoning import _launcher
     assert tuple(_launcher.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
     assert tuple(_launcher.COMMON_FIELDS) == COMMON_FIELDS
+    assert dispatch.CONTIGUOUS_RUNS == tuple(range(1, _launcher.MAX_ITEM_RUNS + 1))
 
 
 def check_shared_ranges(alloc, ids, arrays):
@@ -513,36 +517,51 @@ def test_partials_past_int32_indexing_are_a_value_error():
 
 
 def item(table_row, kv_start, kv_end, open_end=0):
+    """A record as the planner writes it (run_split at kv_end: one run)."""
     record = dict.fromkeys(TREE_ITEM_FIELDS, 0)
-    record.update(table_row=table_row, kv_start=kv_start, kv_end=kv_end, open_end=open_end)
+    record.update(table_row=table_row, kv_start=kv_start, kv_end=kv_end, open_end=open_end,
+                  run_split=kv_end)
     return list(record.values())
 
 
-@pytest.mark.parametrize("records, expected", [
-    ([item(0, 0, 32)], True),            # pages 10, 11, 12, 13
-    ([item(0, 5, 27), item(1, 3, 8)], True),  # inside pages; one page (any id) is a run
-    ([item(1, 0, 16)], False),           # pages 40, 7: a gap
-    ([item(0, 0, 32), item(1, 0, 16)], False),  # one item off its run spoils the launch
-    ([item(0, 0, 32, open_end=1)], False),  # reads to its row's length: not the planned range
-    ([item(0, 0, 33)], False),           # past final_start[0] (32): a final range's chunk
-    ([item(2, 0, 8)], False),            # no such row
-    ([item(0, 8, 8)], False),            # empty
-    ([], True),
+@pytest.mark.parametrize("records, runs, splits", [
+    ([item(0, 0, 32)], 1, None),         # pages 10, 11, 12, 13
+    ([item(0, 5, 27), item(1, 3, 8)], 1, None),  # inside pages; one page (any id) is a run
+    ([item(1, 0, 16)], 2, [8]),          # pages 40, 7: two runs, the second from token 8
+    ([item(1, 3, 12)], 2, [8]),          # from inside a page
+    ([item(0, 0, 32), item(1, 0, 16)], 2, [32, 8]),  # one run: its split is its end
+    ([item(2, 16, 40)], 2, [24]),        # pages 9 | 5, 6
+    ([item(2, 0, 16)], 1, None),         # pages 3, 4
+    ([item(2, 0, 40)], 0, None),         # pages 3, 4 | 9 | 5, 6: three runs
+    ([item(2, 9, 33), item(0, 0, 32)], 0, None),  # pages 4 | 9 | 5, 6: one item spoils the launch
+    ([item(0, 0, 32, open_end=1)], 0, None),  # reads to its row's length: not the planned range
+    ([item(0, 0, 33)], 0, None),         # past final_start[0] (32): a final range's chunk
+    ([item(3, 0, 8)], 0, None),          # no such row
+    ([item(0, 8, 8)], 0, None),          # empty
+    ([], 1, None),
 ])
-def test_contiguous_launches_need_closed_shared_ranges_in_consecutive_pages(records, expected):
-    """``planner.contiguous_launches`` (the core's ``items_contiguous``, which the C ABI uses
-    too): rows read the allocator's mirror in place through their row index."""
-    mirror = np.array([[0] * 6, [40, 7, 0, 0, 0, 0], [10, 11, 12, 13, 14, 0]], np.int64)
-    rows = np.array([2, 1])  # branch 0's table is mirror row 2
+def test_item_runs_need_closed_shared_ranges_broken_once_at_most(records, runs, splits):
+    """``planner.item_runs`` (the core's ``item_runs``, which the C ABI uses too): rows read
+    the allocator's mirror in place through their row index; where two runs, each item's
+    run_split is written where the work buffer holds it, else no record changes."""
+    mirror = np.array([[0] * 6, [40, 7, 0, 0, 0, 0], [10, 11, 12, 13, 14, 0],
+                       [3, 4, 9, 5, 6, 0]], np.int64)
+    rows = np.array([2, 1, 3])  # branch 0's table is mirror row 2
+    work = np.array(records, np.int32).reshape(-1)
     arrays = planner.PlanArrays(
-        *[None] * 8, items={64: np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))},
-        final_start=np.array([32, 16], np.int32), merge_ptr=None, entry_slot=None,
-        common=np.zeros((0, 3), np.int32), num_entries=0, work=None, work_offsets=None, separate_merge=False, final_lanes=1,
-        final_block_m=16, early_final=False, decode=False)
-    assert planner.contiguous_launches(arrays, mirror, rows, 8) == {64: expected}
+        *[None] * 8, items={64: work.reshape(-1, len(TREE_ITEM_FIELDS))},
+        final_start=np.array([32, 16, 40], np.int32), merge_ptr=None, entry_slot=None,
+        common=np.zeros((0, 3), np.int32), num_entries=0, work=work, work_offsets=None,
+        separate_merge=False, final_lanes=1, final_block_m=16, early_final=False, decode=False)
+    assert planner.item_runs(arrays, mirror, rows, 8) == {64: runs}
+    split = TREE_ITEM_FIELDS.index("run_split")
+    written = np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))
+    if splits is not None:
+        written[:, split] = splits
+    assert np.array_equal(work.reshape(written.shape), written)
 
 
-def test_contiguous_launches_reject_bad_tables():
+def test_item_runs_reject_bad_tables_and_records_it_cannot_write():
     from flash_reasoning import _launcher
     records = np.array([item(0, 0, 8)], np.int32)
     starts = np.array([8], np.int32)
@@ -550,7 +569,11 @@ def test_contiguous_launches_reject_bad_tables():
                                 (np.zeros((1, 4), np.int64), np.array([1]), "index tables"),
                                 (np.zeros((1, 4), np.int64), np.array([0, 0]), "rows must be")]:
         with pytest.raises(ValueError, match=match):
-            _launcher.items_contiguous(records, starts, tables, rows, 8)
-    with pytest.raises(ValueError, match="records must be"):
-        _launcher.items_contiguous(records[:, :4], starts, np.zeros((1, 4), np.int64),
-                                   np.array([0]), 8)
+            _launcher.item_runs(records, starts, tables, rows, 8)
+    read_only = records.copy()
+    read_only.flags.writeable = False
+    # A converted copy would take the splits and drop them: only the array itself is written.
+    for bad in (records[:, :4], records.astype(np.int64), read_only,
+                np.asfortranarray(np.repeat(records, 2, axis=0))):
+        with pytest.raises(ValueError, match="records must be"):
+            _launcher.item_runs(bad, starts, np.zeros((1, 4), np.int64), np.array([0]), 8)

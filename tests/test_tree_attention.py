@@ -109,16 +109,16 @@ def test_one_tile_plan_interpreted():
 
 
 def shared_root(device, scattered=False, root_tokens=200, leaves=6, leaf_tokens=5,
-                block_size=8):
+                block_size=8, piece_blocks=3):
     """A root of ``root_tokens`` under ``leaves`` leaves of ``leaf_tokens`` each, in a fresh
     pool: the root's pages are consecutive, or (``scattered``) interleaved with another
-    branch's, written a few blocks at a time."""
+    branch's, written ``piece_blocks`` blocks at a time."""
     alloc = PhysicalKVAllocator(2 * (root_tokens // block_size) + leaves * 4 + 8, block_size, 2,
                                 64, device=device)
     gen = torch.Generator().manual_seed(root_tokens + scattered)
     root = alloc.alloc_branch(0).branch_id
     other = alloc.alloc_branch(0).branch_id
-    piece = 3 * block_size if scattered else root_tokens
+    piece = piece_blocks * block_size if scattered else root_tokens
     for start in range(0, root_tokens, piece):
         alloc.write(root, 0, *random_kv(alloc, gen, min(piece, root_tokens - start)), start=start)
         if scattered:
@@ -144,7 +144,7 @@ def test_contiguous_partials_interpreted(scattered, separate):
     assert len(partial) == 1  # the root's chunks (and the final ranges' when separate)
     assert partial[0]["CONTIGUOUS"] == (not scattered and not separate)
     assert partial[0]["PAGE"] == 0  # 8-token pages are not compiled as a constant
-    assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["CONTIGUOUS"] == 1}
+    assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["CONTIGUOUS"]}
 
 
 @interpreter
@@ -168,6 +168,31 @@ def test_contiguous_partials_whole_tiles_and_tails_interpreted(root_tokens, leng
 
 
 @interpreter
+@pytest.mark.parametrize("num_qo_heads,block_m", [(8, 64), (2, 16)])
+@pytest.mark.parametrize("piece_blocks,root_tokens,splits", [(5, 100, [40, 80]),
+                                                             (10, 100, [64, 80]),
+                                                             (3, 40, [24])])
+def test_two_run_partials_interpreted(piece_blocks, root_tokens, splits, num_qo_heads,
+                                      block_m):
+    """A root whose pages break once inside some item runs the two-run partial kernel: the
+    items' run_split is where each second run begins (an item of one run: its end), and the
+    output matches the reference in both row tiles, with whole tiles and tails in either run."""
+    alloc, ids = shared_root("cpu", True, root_tokens=root_tokens, piece_blocks=piece_blocks)
+    q = queries(alloc, ids, num_qo_heads)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
+    check(out, q, alloc, ids)
+    (partial,) = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
+    assert (partial["CONTIGUOUS"], partial["BLOCK_M"]) == (2, block_m)
+    assert plan.contiguous == {block_m: 2}
+    (records,) = plan.arrays.items.values()
+    split = TREE_ITEM_FIELDS.index("run_split")
+    assert sorted(set(records[:, split].tolist())) == splits
+    # The kernels read the splits from the uploaded records.
+    uploaded = plan._items[0].view(-1, len(TREE_ITEM_FIELDS))
+    assert torch.equal(uploaded.cpu(), torch.from_numpy(records))
+
+
+@interpreter
 @pytest.mark.parametrize("free_root", [False, True])
 def test_contiguous_partials_survive_copy_on_write_interpreted(free_root):
     """The plan reads the shared root as one run from its first page; a decode step then
@@ -180,7 +205,7 @@ def test_contiguous_partials_survive_copy_on_write_interpreted(free_root):
         alloc.free_branch(ids[0] - 2)  # shared_root's root: two ids before the first leaf
     q = queries(alloc, ids, 8)
     plan = TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", target_chunk=64, flat=False)
-    assert plan.contiguous == {block_m: True for block_m in plan.arrays.items}
+    assert plan.contiguous == {block_m: 1 for block_m in plan.arrays.items}
     before, _ = alloc.block_tables(ids)
     step = alloc.reserve(ids)
     alloc.append(step, 0, *random_kv(alloc, torch.Generator().manual_seed(9), len(ids)))
@@ -310,15 +335,18 @@ def test_shared_ranges_interpreted(dtype, heads, lanes, block_size):
 @pytest.mark.parametrize("separate, lanes", [(False, 1), (False, 4), (True, 1)])
 def test_compiled_page_size_interpreted(block_size, page, separate, lanes):
     """A pool of a compiled page size runs kernels with it as a constant, any other size the
-    kernels that read it at run time (nodes and forks off block boundaries in both); every
-    launch of the plan, each merge mode and packed finals, matches the reference."""
+    kernels that read it at run time (nodes and forks off block boundaries in both); the
+    contiguous partial kernels take any page size at run time. Every launch of the plan, each
+    merge mode and packed finals, matches the reference."""
     alloc, ids = forest("cpu", num_kv_heads=2, tokens=150, seed=block_size + lanes,
                         block_size=block_size)
     q = queries(alloc, ids, 8)
     extra = {} if separate else {"final_lanes": lanes}
     plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, **extra)
     attention = [spec for spec, _, _ in plan._templates if spec.family != "tree_merge"]
-    assert attention and all(spec.key["PAGE"] == page for spec in attention)
+    paged = [spec for spec in attention if not spec.key.get("CONTIGUOUS")]
+    assert paged and all(spec.key["PAGE"] == page for spec in paged)
+    assert all(spec.key["PAGE"] == 0 for spec in attention if spec.key.get("CONTIGUOUS"))
     check(out, q, alloc, ids)
 
 
@@ -618,7 +646,7 @@ def test_gpu_contiguous_partials_before_and_after_copy_on_write(scattered):
     reference, and still does after a decode step copies its last block into every leaf."""
     alloc, ids = shared_root("cuda", scattered, root_tokens=2003, leaf_tokens=0)
     plan = TreeAttentionPlan(alloc, ids, 8, flat=False)
-    assert plan.contiguous == {block_m: not scattered for block_m in plan.arrays.items}
+    assert plan.contiguous == {block_m: int(not scattered) for block_m in plan.arrays.items}
     gen = torch.Generator().manual_seed(3)
     for step in range(2):
         q = queries(alloc, ids, 8, seed=step)

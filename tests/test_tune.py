@@ -131,7 +131,9 @@ def fake_manifest():
         entry("paged_decode", 64, 4, 2, BLOCK_M=16, SPLIT=0),
         entry("paged_decode", 32, 2, 2, BLOCK_M=16, SPLIT=0),
         entry("paged_decode", 64, 4, 3, BLOCK_M=16, SPLIT=1),
-        entry("tree_partial", 64, 4, 3, BLOCK_M=64), entry("tree_partial", 32, 2, 2, BLOCK_M=16),
+        entry("tree_partial", 64, 4, 3, BLOCK_M=64, CONTIGUOUS=0),
+        entry("tree_partial", 32, 2, 2, BLOCK_M=16, CONTIGUOUS=0),
+        entry("tree_partial", 128, 8, 2, BLOCK_M=64, CONTIGUOUS=2),
         entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0, COMMON=0),
         entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1, COMMON=0),
         entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1, COMMON=0),
@@ -150,6 +152,34 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/64") == [(64, 4, 3)]
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/16") == [(32, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final/bfloat16/128") == []
+    assert tune.compiled_configs(manifest, "tree_partial/float16/128/64/two_runs") == \
+        [(128, 8, 2)]
+    assert tune.compiled_configs(manifest, "tree_partial/float16/128/64/contiguous") == []
+
+
+@pytest.mark.parametrize("key, parsed", [
+    ("tree_final/float16/128", ("tree_final", "float16", 128, None, 0)),
+    ("tree_partial/bfloat16/64/16", ("tree_partial", "bfloat16", 64, 16, 0)),
+    ("tree_partial/float16/128/64/contiguous", ("tree_partial", "float16", 128, 64, 1)),
+    ("tree_partial/float16/256/16/two_runs", ("tree_partial", "float16", 256, 16, 2))])
+def test_rule_keys_parse_back(key, parsed):
+    assert tune.parse_rule_key(key) == parsed
+    kernel, dtype, head_dim, block_m, runs = parsed
+    assert dispatch.rule_key(kernel, dtype, head_dim, block_m, 0, runs) == key
+
+
+def test_a_refit_replaces_the_measured_lists_and_keeps_the_rest():
+    base = tuning_table.Table("sm90", {"a/float16/128": ((None, None, (64, 4, 2)),),
+                                       "b/float16/128": ((None, None, (32, 2, 2)),)},
+                              {"device": "H100", "date": "2026-11-22"}, "base")
+    rules, measured_on = tune.refit(base, {"b/float16/128": ((None, None, (64, 4, 3)),),
+                                           "c/float16/128": ((None, None, (16, 2, 1)),)},
+                                    {"device": "H200", "date": "2026-11-26"})
+    assert rules == {"a/float16/128": ((None, None, (64, 4, 2)),),
+                     "b/float16/128": ((None, None, (64, 4, 3)),),
+                     "c/float16/128": ((None, None, (16, 2, 1)),)}
+    assert measured_on == {"device": "H100", "date": "2026-11-22", "refits": [
+        {"device": "H200", "date": "2026-11-26", "keys": ["b/float16/128", "c/float16/128"]}]}
 
 
 def test_fixed_rules_pin_the_config_where_compiled_and_keep_the_rest():
@@ -199,11 +229,13 @@ def test_a_short_tuning_run_writes_a_table_dispatch_accepts(tmp_path, monkeypatc
     dispatch.reset()
     try:  # dispatch reads the table, and every config it can pick names a compiled kernel
         for key, rule_list in table.rules.items():
-            kernel, dtype, head_dim, *block_m = key.split("/")
-            where = (kernel, dtype, int(head_dim), table.arch, int(block_m[0]) if block_m else None)
+            kernel, dtype, head_dim, block_m, runs = tune.parse_rule_key(key)
+            where = (kernel, dtype, head_dim, table.arch, block_m, runs)
+            assert dispatch.rules(*where)[0] == rule_list
             assert dispatch.rules(*where)[1].startswith(tuning_table.ENV_VAR)
             for _, _, config in rule_list:
-                assert dispatch.kernel_spec(*where[:4], config, where[4]).name in compiled, key
+                assert dispatch.kernel_spec(*where[:4], config, block_m, 0, runs).name in \
+                    compiled, key
     finally:
         monkeypatch.delenv(tuning_table.ENV_VAR)
         dispatch.reset()

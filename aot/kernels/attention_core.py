@@ -62,7 +62,7 @@ def no_keys(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 @triton.jit
 def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
            end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr, CONTIGUOUS: tl.constexpr = False):
+           BLOCK_N: tl.constexpr):
     """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
     (``table`` is its block table row, of ``table_tokens`` tokens' pages). Returns (row max in
     base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0).
@@ -70,15 +70,9 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     Each token's K/V row is addressed through its page id, a division and a remainder by
     ``page_size`` per token: the callers' ``PAGE`` constexpr makes it a constant where the page
     size is one the build compiles for, and the divisions shifts (H100: a shared root's
-    compute-bound tiles 12-14% faster, docs/perf.md session 14). With ``CONTIGUOUS`` the
-    caller vouches that the range's slots are consecutive in the pool (its pages follow one
-    another): :func:`attend_run`."""
+    compute-bound tiles 12-14% faster, docs/perf.md session 14). A range whose slots are known
+    to be consecutive is :func:`attend_runs`'."""
     m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
-    if CONTIGUOUS:
-        # The narrow tile's loop is faster masked in every step (H100, docs/perf.md session 26).
-        return attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head,
-                          num_kv_heads, page_size, start, end, sm_scale_log2, HEAD_DIM, BLOCK_N,
-                          BLOCK_M >= 64)
     offs = tl.arange(0, BLOCK_N)
     # Each tile's page ids are loaded one iteration ahead: read in the tile's own iteration,
     # the page table is a third dependent DRAM round trip before K and V (docs/perf.md). The
@@ -97,6 +91,27 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
         # Every tile holds at least one valid key (n0 < end): no row is empty.
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, False)
     return m_i, l_i, acc
+
+
+@triton.jit
+def attend_runs(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
+                split, end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, RUNS: tl.constexpr):
+    """:func:`attend` over a range the caller vouches lies in ``RUNS`` runs of consecutive
+    slots (its pages follow one another): [start, end) (``split`` unused), or, with ``RUNS``
+    2, [start, split) then [split, end) (a root folded into a child: its pages, then the
+    child's; H100, ft_1,4,16,512/q32kv8's partial launch, docs/perf.md session 27). Each run
+    is :func:`attend_run`."""
+    m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
+    # The narrow tile's loop is faster masked in every step (H100, docs/perf.md session 26).
+    if RUNS == 2:
+        m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
+                                   kv_head, num_kv_heads, page_size, start, split,
+                                   sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64)
+        start = split
+    return attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head,
+                      num_kv_heads, page_size, start, end, sm_scale_log2, HEAD_DIM, BLOCK_N,
+                      BLOCK_M >= 64)
 
 
 @triton.jit

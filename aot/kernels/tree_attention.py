@@ -6,9 +6,10 @@ the (branch, query head) pairs below the node, so a shared range is loaded once 
 them. Row ``f`` of a node's flattened rows is branch ``order[row_ptr + f // group]``, head
 ``kv_head * group + f % group``. Each writes fp32 outputs and natural-log LSEs to partial slot
 ``entry_slot[entry0 + f // group]``: the planner numbers slots so that each branch's partials
-are contiguous. ``CONTIGUOUS``: the plan found every item of the launch in consecutive pages
-(``planner.contiguous_launches``), so each range is read as one run of slots from its first
-page (``attention_core.attend``).
+are contiguous. ``CONTIGUOUS`` (1 or 2): the plan found every item of the launch in that many
+runs of consecutive pages at most (``planner.item_runs``), so each range is read as runs of
+slots from their first pages, the second from the item's ``run_split``
+(``attention_core.attend_runs``).
 
 ``tree_final`` runs one program per (branch, query-head tile): attention over the branch's
 final range ``[final_start, seq_len)``, then the log-sum-exp merge with the branch's partial
@@ -41,7 +42,7 @@ import triton.language as tl
 
 from flash_reasoning.specializations import COMMON_FIELDS as _COMMON_FIELDS, TREE_ITEM_FIELDS
 
-from .attention_core import (attend, attend_lanes, fold_partials, group_rows,
+from .attention_core import (attend, attend_lanes, attend_runs, fold_partials, group_rows,
                              let_next_launch_start, merge_partial, no_keys, normalise,
                              wait_for_previous_launch)
 
@@ -54,6 +55,7 @@ NUM_ROWS = tl.constexpr(TREE_ITEM_FIELDS.index("num_rows"))
 FIRST_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("first_flat_row"))
 ENTRY0 = tl.constexpr(TREE_ITEM_FIELDS.index("entry0"))
 OPEN_END = tl.constexpr(TREE_ITEM_FIELDS.index("open_end"))
+RUN_SPLIT = tl.constexpr(TREE_ITEM_FIELDS.index("run_split"))
 COMMON_FIELDS = tl.constexpr(len(_COMMON_FIELDS))
 COMMON_LEAD = tl.constexpr(_COMMON_FIELDS.index("lead_row"))
 COMMON_START = tl.constexpr(_COMMON_FIELDS.index("start"))
@@ -92,9 +94,15 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     is_open = tl.load(item + OPEN_END) != 0
     seq_len = tl.minimum(tl.load(seq_lens + table_row, mask=is_open, other=0), table_tokens)
     kv_end = tl.where(is_open, seq_len, tl.load(item + KV_END))
-    m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
-                           num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
-                           sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, CONTIGUOUS)
+    if CONTIGUOUS:  # closed items (planner.item_runs): kv_end is the record's
+        m_i, l_i, acc = attend_runs(qt, k_pool, v_pool, table, table_tokens, kv_head,
+                                    num_kv_heads, page_size, tl.load(item + KV_START),
+                                    tl.load(item + RUN_SPLIT), kv_end, sm_scale_log2, HEAD_DIM,
+                                    BLOCK_M, BLOCK_N, CONTIGUOUS)
+    else:
+        m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
+                               num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
+                               sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
     if early_final == 0:  # past the walk: the final launch may take the SMs this one frees
         let_next_launch_start(PDL)
     o, lse = normalise(m_i, l_i, acc)

@@ -4,6 +4,7 @@
 
 #include "arch.h"
 #include "file_util.h"
+#include "planner.h"
 #include "version.h"
 
 namespace flash_reasoning {
@@ -68,9 +69,13 @@ Status Context::require_device(const char* what) const {
                        std::string(what) + " needs a GPU: this context was created host-only (for planning)");
 }
 
-std::string Context::addressing_rule_key(const std::string& rule_key, int64_t block_size, bool contiguous) const {
-  std::string run = rule_key + "/contiguous";
-  if (contiguous && rules().rules.count(run)) return run;
+std::string Context::addressing_rule_key(const std::string& rule_key, int64_t block_size, int runs) const {
+  static const char* const kRunSuffixes[] = {"", "/contiguous", "/two_runs"};
+  static_assert(sizeof(kRunSuffixes) / sizeof(kRunSuffixes[0]) == kMaxItemRuns + 1, "a suffix per run count");
+  if (runs > 0 && runs <= kMaxItemRuns) {
+    std::string run = rule_key + kRunSuffixes[runs];
+    if (rules().rules.count(run)) return run;
+  }
   std::string paged = rule_key + "/page" + std::to_string(block_size);
   return rules().rules.count(paged) ? paged : rule_key;
 }

@@ -48,9 +48,10 @@ class Context {
   Status pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const;
   // The attention rule list for `block_size`-token pages: "<rule_key>/page<N>" where the
   // manifest compiles that page size as a constant, else `rule_key` (the page size at run time);
-  // with `contiguous` (a launch whose ranges lie in consecutive pages: planner.h's
-  // items_contiguous), "<rule_key>/contiguous" where the manifest has it.
-  std::string addressing_rule_key(const std::string& rule_key, int64_t block_size, bool contiguous = false) const;
+  // for a launch whose items lie in `runs` runs of consecutive slots at most (planner.h's
+  // item_runs; 0: take the pages), "<rule_key>/contiguous" (one run) or "<rule_key>/two_runs"
+  // where the manifest has it (dispatch.rule_key names them the same way).
+  std::string addressing_rule_key(const std::string& rule_key, int64_t block_size, int runs = 0) const;
   const KernelInfo& kernel(int index) const { return launcher_->manifest().kernels[index]; }
   // after_own_launch: the previous launch on `stream` was the library's (Launcher::launch).
   Status launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,

@@ -149,8 +149,20 @@ bool separate_merge_adds_launch(const Ranges& r, const std::vector<int64_t>& blo
 }
 
 // Positions of kTreeItemFields in a record.
-enum ItemField { kTableRow, kKvStart, kKvEnd, kRowPtr, kNumRows, kFirstFlatRow, kEntry0, kOpenEnd, kItemFields };
+enum ItemField {
+  kTableRow,
+  kKvStart,
+  kKvEnd,
+  kRowPtr,
+  kNumRows,
+  kFirstFlatRow,
+  kEntry0,
+  kOpenEnd,
+  kRunSplit,
+  kItemFields
+};
 static_assert(kItemFields == kTreeItemFields.size(), "ItemField follows kTreeItemFields");
+static_assert(kMaxItemRuns == 2, "an item record holds one run_split: two runs at most");
 
 double launch_us(double steps, double bytes) { return kLaunchUs + std::max(steps * kStepUs, bytes / kBytesPerUs); }
 
@@ -224,8 +236,9 @@ void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_
     for (size_t c = 0; c < chunk_block_m.size(); ++c) {
       if (chunk_block_m[c] != block_m) continue;
       for (int64_t tile = 0; tile < ceil_div(p.chunk_rows[c] * group, block_m); ++tile) {
-        int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c], p.chunk_end[c], p.chunk_row_ptr[c],
-                            p.chunk_rows[c],      tile * block_m,   p.chunk_entry0[c], p.chunk_open[c]};
+        int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c],  p.chunk_end[c],
+                            p.chunk_row_ptr[c],   p.chunk_rows[c],   tile * block_m,
+                            p.chunk_entry0[c],    p.chunk_open[c],   p.chunk_end[c]};
         list.records.insert(list.records.end(), std::begin(record), std::end(record));
       }
     }
@@ -296,36 +309,46 @@ void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<i
 
 namespace {
 
-// items_contiguous() over the tables of `rows` rows, row_table(r) pointing at row r's `stride`
-// block ids.
+// item_runs() over the tables of `rows` rows, row_table(r) pointing at row r's `stride` block ids.
 template <typename RowTable>
-bool items_in_consecutive_pages(const ItemList& items, const std::vector<int32_t>& final_start, RowTable row_table,
-                                int64_t stride, int64_t block_size) {
+int runs_of_consecutive_slots(ItemList* items, const std::vector<int32_t>& final_start, RowTable row_table,
+                              int64_t stride, int64_t block_size) {
   int64_t rows = int64_t(final_start.size());
-  for (size_t i = 0; i < items.records.size(); i += kItemFields) {
-    const int32_t* item = items.records.data() + i;
+  int most = 1;
+  std::vector<int32_t> splits;
+  for (size_t i = 0; i < items->records.size(); i += kItemFields) {
+    const int32_t* item = items->records.data() + i;
     int64_t row = item[kTableRow], start = item[kKvStart], end = item[kKvEnd];
     if (item[kOpenEnd] || row < 0 || row >= rows || start < 0 || end <= start || end > final_start[row] ||
         end > stride * block_size)
-      return false;
+      return 0;
     auto pages = row_table(row);
-    for (int64_t c = start / block_size; c < (end - 1) / block_size; ++c)
-      if (int64_t(pages[c + 1]) != int64_t(pages[c]) + 1) return false;
+    int runs = 1;
+    int64_t split = end;
+    for (int64_t c = start / block_size; c < (end - 1) / block_size; ++c) {
+      if (int64_t(pages[c + 1]) == int64_t(pages[c]) + 1) continue;
+      if (++runs > kMaxItemRuns) return 0;
+      split = (c + 1) * block_size;
+    }
+    most = std::max(most, runs);
+    splits.push_back(int32_t(split));
   }
-  return true;
+  if (most > 1)
+    for (size_t k = 0; k < splits.size(); ++k) items->records[k * kItemFields + kRunSplit] = splits[k];
+  return most;
 }
 
 }  // namespace
 
-bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int32_t* tables,
-                      int64_t stride, int64_t block_size) {
-  return items_in_consecutive_pages(
+int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int32_t* tables, int64_t stride,
+              int64_t block_size) {
+  return runs_of_consecutive_slots(
       items, final_start, [&](int64_t r) { return tables + r * stride; }, stride, block_size);
 }
 
-bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int64_t* tables,
-                      const int64_t* rows, int64_t stride, int64_t block_size) {
-  return items_in_consecutive_pages(
+int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int64_t* tables, const int64_t* rows,
+              int64_t stride, int64_t block_size) {
+  return runs_of_consecutive_slots(
       items, final_start, [&](int64_t r) { return tables + rows[r] * stride; }, stride, block_size);
 }
 

@@ -135,8 +135,11 @@ constexpr int64_t kSharedRangeWalk = 6;
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
-constexpr std::array<const char*, 8> kTreeItemFields = {"table_row", "kv_start", "kv_end", "row_ptr",
-                                                        "num_rows",  "first_flat_row", "entry0", "open_end"};
+// run_split: where the second run of consecutive slots of the item's range begins, for the
+// kernels that read it as two runs (item_runs() writes it; the planner writes kv_end).
+constexpr std::array<const char*, 9> kTreeItemFields = {"table_row", "kv_start",       "kv_end",
+                                                        "row_ptr",   "num_rows",       "first_flat_row",
+                                                        "entry0",    "open_end",       "run_split"};
 
 // A packed final program's shared range is an int32 record of these fields (Python's
 // specializations.COMMON_FIELDS must match: a test checks): tokens [start, end) that every lane
@@ -235,22 +238,29 @@ struct Plan {
 enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kCommon = 4, kFirstItems = 5 };
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets);
 
-// Whether tree_partial may read every item of `items` as one run of slots (its CONTIGUOUS
-// kernels: the item's first page id read at run time, then no page arithmetic per token; H100,
-// seed_b256/q32kv8 64.6 -> 61.7 us, docs/perf.md session 19): each item is closed, lies in its
-// table row's shared ranges, and its pages follow one another in `tables` (row r's `stride`
-// block ids from tables + r * stride; final_start.size() rows). An item outside the tables is
-// never contiguous. Shared ranges (before final_start[row]) keep their tokens where they are
+// The most runs of consecutive slots tree_partial's CONTIGUOUS kernels read an item's range as
+// (Python's dispatch.CONTIGUOUS_RUNS ends at it: a test checks).
+constexpr int kMaxItemRuns = 2;
+
+// How tree_partial may read the items of `items`: the runs of consecutive slots the most
+// scattered item's range lies in, 1 or 2 (the CONTIGUOUS kernels: a run's first page id read at
+// run time, then no page arithmetic per token; H100, seed_b256/q32kv8 64.6 -> 61.7 us, docs/perf.md
+// session 19; a root folded into its children's items, two runs, ft_1,4,16,512/q32kv8 session 27),
+// or 0 where some item takes the page kernels: it is open, leaves its table row's shared ranges or
+// the tables (row r's `stride` block ids from tables + r * stride; final_start.size() rows), or
+// its pages break more than kMaxItemRuns - 1 times. Where it returns 2 it writes each item's
+// run_split (where its second run begins; kv_end for an item of one run); otherwise the records
+// are left as they were. Shared ranges (before final_start[row]) keep their tokens where they are
 // while a plan is valid: frPlanUpdate refuses a changed block there, and the Python allocator
 // copies on write only a row's last block, whose shared tokens stay in the original (a holder
 // keeps it and writes only past them; tests/test_tree_attention.py runs a plan after such
 // copies).
-bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int32_t* tables,
-                      int64_t stride, int64_t block_size);
+int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int32_t* tables, int64_t stride,
+              int64_t block_size);
 // The same over int64 tables, row r's at tables + rows[r] * stride: the Python allocator's
 // table mirror, read in place (segment_tree.h).
-bool items_contiguous(const ItemList& items, const std::vector<int32_t>& final_start, const int64_t* tables,
-                      const int64_t* rows, int64_t stride, int64_t block_size);
+int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int64_t* tables, const int64_t* rows,
+              int64_t stride, int64_t block_size);
 
 // The cost model, small pure functions.
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,

@@ -99,8 +99,8 @@ Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, cons
                                                      std::to_string(p->max_blocks_) + " entries overflow int32 indexing");
   p->tables_ = dense_tables(shape, tree, p->max_blocks_);
   p->lengths_.assign(tree.lengths, tree.lengths + tree.num_branches);
+  if (!(st = p->pick_kernels()).ok()) return st;  // writes the items' run splits: before packing
   pack_work_lists(p->plan_, &p->work_, &p->work_offset_);
-  if (!(st = p->pick_kernels()).ok()) return st;
   if (!(st = p->allocate_and_upload()).ok()) return st;
   *out = std::move(p);
   return Status::Ok();
@@ -135,12 +135,12 @@ int64_t TreeAttentionPlan::logical_tokens() const {
 
 Status TreeAttentionPlan::pick_kernels() {
   partial_kernels_.clear();
-  for (const ItemList& items : plan_.items) {
+  for (ItemList& items : plan_.items) {
     int kernel = -1;
     std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
-    // check_update keeps the shared ranges' blocks: a contiguous launch stays contiguous.
-    bool contiguous = items_contiguous(items, plan_.final_start, tables_.data(), max_blocks_, shape_.block_size);
-    Status st = ctx_.pick(ctx_.addressing_rule_key(key, shape_.block_size, contiguous), longest_item(items),
+    // check_update keeps the shared ranges' blocks: an item's runs stay where they are.
+    int runs = item_runs(&items, plan_.final_start, tables_.data(), max_blocks_, shape_.block_size);
+    Status st = ctx_.pick(ctx_.addressing_rule_key(key, shape_.block_size, runs), longest_item(items),
                           items.count() * shape_.num_kv_heads, &kernel);
     if (!st.ok()) return st;
     partial_kernels_.push_back(kernel);

@@ -252,7 +252,8 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   std::vector<int32_t> work;
   std::vector<int64_t> work_offsets;
   fr::pack_work_lists(p, &work, &work_offsets);
-  d["work"] = to_numpy(work);
+  py::array_t<int32_t> work_array = to_numpy(work);
+  d["work"] = work_array;
   d["work_offsets"] = to_numpy(work_offsets);
   d["num_entries"] = p.num_entries;
   d["computed_nodes"] = p.computed_nodes;
@@ -263,20 +264,28 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["decode"] = p.decode;
   d["early_final"] = p.early_final;
   d["estimated_us"] = p.estimated_us;
+  // Views of `work`: item_runs() writes the run splits where they are uploaded from.
   py::dict items;
-  for (const fr::ItemList& list : p.items)
-    items[py::int_(list.block_m)] = to_numpy(list.records).reshape(
-        {list.count(), static_cast<int64_t>(fr::kTreeItemFields.size())});
+  for (size_t i = 0; i < p.items.size(); ++i) {
+    int64_t at = work_offsets[fr::kFirstItems + i], size = int64_t(p.items[i].records.size());
+    items[py::int_(p.items[i].block_m)] = work_array[py::slice(at, at + size, 1)].attr("reshape")(
+        p.items[i].count(), static_cast<int64_t>(fr::kTreeItemFields.size()));
+  }
   d["items"] = items;
   return d;
 }
 
 using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
 
-// Row i of `final_start` reads the allocator's table mirror row rows[i] (in place).
-bool items_contiguous(const Int32Array& records, const Int32Array& final_start, const Int64Array& tables,
-                      const Int64Array& rows, int64_t block_size) {
+// Row i of `final_start` reads the allocator's table mirror row rows[i] (in place); the run
+// splits are written into `records` in place (a view of the plan's work buffer), so it must be a
+// writeable C-contiguous int32 array, never a converted copy.
+int item_runs(py::array records, const Int32Array& final_start, const Int64Array& tables, const Int64Array& rows,
+              int64_t block_size) {
   int64_t fields = int64_t(fr::kTreeItemFields.size());
+  require(records.dtype().is(py::dtype::of<int32_t>()) && records.writeable() &&
+              (records.flags() & py::array::c_style),
+          "records must be a writeable C-contiguous int32 array");
   require(records.ndim() == 2 && records.shape(1) == fields, "records must be [items, len(TREE_ITEM_FIELDS)]");
   require(final_start.ndim() == 1 && rows.ndim() == 1 && rows.size() == final_start.size(),
           "rows must be [len(final_start)]");
@@ -284,10 +293,13 @@ bool items_contiguous(const Int32Array& records, const Int32Array& final_start, 
   require(std::all_of(rows.data(), rows.data() + rows.size(), [&](int64_t r) { return r >= 0 && r < tables.shape(0); }),
           "rows must index tables' rows");
   require(block_size > 0, "block_size must be positive");
+  int32_t* data = static_cast<int32_t*>(records.mutable_data());
   fr::ItemList items;
-  items.records.assign(records.data(), records.data() + records.size());
+  items.records.assign(data, data + records.size());
   std::vector<int32_t> starts(final_start.data(), final_start.data() + final_start.size());
-  return fr::items_contiguous(items, starts, tables.data(), rows.data(), tables.shape(1), block_size);
+  int runs = fr::item_runs(&items, starts, tables.data(), rows.data(), tables.shape(1), block_size);
+  std::copy(items.records.begin(), items.records.end(), data);
+  return runs;
 }
 
 }  // namespace
@@ -340,10 +352,11 @@ PYBIND11_MODULE(_launcher, m) {
         py::arg("flat") = -1, py::arg("final_lanes") = 0, py::arg("one_tile") = -1,
         py::arg("early_final") = -1,
         "The tree-attention plan of a SegmentTree (a dict of arrays).");
-  m.def("items_contiguous", &items_contiguous, py::arg("records"), py::arg("final_start"), py::arg("tables"),
-        py::arg("rows"), py::arg("block_size"),
-        "Whether tree_partial may read every item of one launch as one run of slots (csrc/core/planner.h); "
-        "branch i's block table is tables[rows[i]], read in place.");
+  m.def("item_runs", &item_runs, py::arg("records"), py::arg("final_start"), py::arg("tables"), py::arg("rows"),
+        py::arg("block_size"),
+        "The runs of consecutive slots one launch's items lie in (1 or 2; 0: the page kernels), writing each "
+        "item's run_split when 2 (csrc/core/planner.h); branch i's block table is tables[rows[i]], read in place.");
+  m.attr("MAX_ITEM_RUNS") = fr::kMaxItemRuns;
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("COMMON_FIELDS") = py::cast(std::vector<std::string>(fr::kCommonFields.begin(), fr::kCommonFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;

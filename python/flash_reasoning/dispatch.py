@@ -25,11 +25,18 @@ COMPILED_PAGE_SIZES = (16,)
 #: The ``PAGE`` values each attention specialization is compiled with: 0 (any page size), then
 #: every compiled size.
 PAGE_KERNELS = (0, *COMPILED_PAGE_SIZES)
-#: Rule lists whose kernel is also compiled to read each range as one run of slots
-#: (``CONTIGUOUS``: ranges in consecutive pages, ``planner.contiguous_launches``; H100,
-#: seed_b256/q32kv8 64.6 -> 61.7 us, ft_1,1024/q32kv8 173.1 -> 165.3; docs/perf.md session 19).
-#: Their own rule lists (``.../contiguous``) pick the same configs; any page size.
+#: Rule lists whose kernel is also compiled to read each range as runs of consecutive slots
+#: (``CONTIGUOUS``: the most runs an item's range lies in, ``planner.item_runs``; one run: H100,
+#: seed_b256/q32kv8 64.6 -> 61.7 us, ft_1,1024/q32kv8 173.1 -> 165.3, docs/perf.md session 19;
+#: two, a root folded into its children's items: session 27), for any page size. Each run count
+#: has its own rule lists (``.../contiguous``, ``.../two_runs``: :data:`CONTIGUOUS_RULE_SUFFIXES`,
+#: which the C ABI names alike), from the tuning table where it has them, else those of the
+#: kernels that take the page size at run time.
 CONTIGUOUS_KERNELS = ("tree_partial",)
+#: The runs of consecutive slots the contiguous kernels are compiled for (csrc/core/planner.h's
+#: kMaxItemRuns is the last), and each one's rule-list suffix.
+CONTIGUOUS_RULE_SUFFIXES = {1: "contiguous", 2: "two_runs"}
+CONTIGUOUS_RUNS = tuple(CONTIGUOUS_RULE_SUFFIXES)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
 BLOCK_M = 16
 #: Splits (partial slots) merged per step of the merge kernels' loops.
@@ -134,35 +141,41 @@ def _any_launch(config: Config) -> Rules:
 
 
 def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
-             page_size: int = 0, contiguous: bool = False) -> str:
+             page_size: int = 0, contiguous: int = 0) -> str:
     """The name of a rule list, in tuning tables and the manifest: ``tree_final/float16/128``,
     ``tree_partial/float16/128/64``; the manifest also names the same rules for the kernels of
-    a compiled page size, ``tree_final/float16/128/page16``, and for the contiguous kernels,
-    ``tree_partial/float16/128/64/contiguous``."""
+    a compiled page size, ``tree_final/float16/128/page16``, and the contiguous kernels' lists
+    (``contiguous``: runs of slots, :data:`CONTIGUOUS_RULE_SUFFIXES`),
+    ``tree_partial/float16/128/64/contiguous`` and ``.../two_runs``."""
     known = tuple(dict.fromkeys(k for k, _ in RULE_LISTS))
     if kernel not in known:
         raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {known}")
     key = f"{kernel}/{dtype}/{head_dim}"
     key = key if kernel != "tree_partial" else f"{key}/{block_m}"
     if contiguous:
-        _check_contiguous(kernel)
-        return f"{key}/contiguous"
+        _check_contiguous(kernel, contiguous)
+        return f"{key}/{CONTIGUOUS_RULE_SUFFIXES[contiguous]}"
     page = compiled_page(page_size)
     return f"{key}/page{page}" if page else key
 
 
-def _check_contiguous(kernel: str) -> None:
+def _check_contiguous(kernel: str, runs: int) -> None:
     if kernel not in CONTIGUOUS_KERNELS:
         raise ValueError(f"{kernel} has no contiguous kernels; those that do: "
                          f"{CONTIGUOUS_KERNELS}")
+    if runs not in CONTIGUOUS_RUNS:
+        raise ValueError(f"no contiguous kernels read {runs!r} runs of slots; compiled: "
+                         f"{CONTIGUOUS_RUNS}")
 
 
-def addressings(kernel: str) -> tuple[tuple[int, bool], ...]:
+def addressings(kernel: str) -> tuple[tuple[int, int], ...]:
     """(page size, contiguous) of each compiled way ``kernel``'s rule lists address K/V: the
-    page kernels (:data:`PAGE_KERNELS`), then, for :data:`CONTIGUOUS_KERNELS`, one run of
-    slots (page size 0: any)."""
-    pages = tuple((page, False) for page in PAGE_KERNELS)
-    return pages + ((0, True),) if kernel in CONTIGUOUS_KERNELS else pages
+    page kernels (:data:`PAGE_KERNELS`; contiguous 0), then, for :data:`CONTIGUOUS_KERNELS`,
+    each count of runs of slots (:data:`CONTIGUOUS_RUNS`; page size 0: any)."""
+    pages = tuple((page, 0) for page in PAGE_KERNELS)
+    if kernel not in CONTIGUOUS_KERNELS:
+        return pages
+    return pages + tuple((0, runs) for runs in CONTIGUOUS_RUNS)
 
 
 def compiled_page(page_size: int) -> int:
@@ -173,13 +186,16 @@ def compiled_page(page_size: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def rules(kernel: str, dtype: str, head_dim: int, arch: str,
-          block_m: int | None = None) -> tuple[Rules, str]:
-    """The rule list serving ``kernel`` and where it comes from: the arch's tuning table
-    (shipped, or ``$FLASH_REASONING_TUNING``) when it has the key, else the heuristics."""
-    key = rule_key(kernel, dtype, head_dim, block_m)
+          block_m: int | None = None, contiguous: int = 0) -> tuple[Rules, str]:
+    """The rule list serving ``kernel`` (its ``contiguous`` kernels': runs of slots) and where
+    it comes from: the arch's tuning table (shipped, or ``$FLASH_REASONING_TUNING``) when it
+    has the key, else the page kernels' list (contiguous kernels), else the heuristics."""
+    key = rule_key(kernel, dtype, head_dim, block_m, 0, contiguous)
     table = tuning_table.load(arch)
     if table is not None and key in table.rules:
         return table.rules[key], table.source
+    if contiguous:
+        return rules(kernel, dtype, head_dim, arch, block_m)
     return heuristic_rules(kernel, head_dim, arch, block_m), "heuristic"
 
 
@@ -200,19 +216,19 @@ def pick_rule(rule_list: Rules, max_tokens: int | None, programs: int | None = N
 @functools.lru_cache(maxsize=None)  # a paged decode asks once per call
 def config_for(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None = None,
                block_m: int | None = None, programs: int | None = None,
-               num_sms: int | None = None) -> Config:
+               num_sms: int | None = None, contiguous: int = 0) -> Config:
     """(BLOCK_N, num_warps, num_stages) of a ``kernel`` launch of ``programs`` programs on
     ``num_sms`` SMs that walk at most ``max_tokens`` tokens each (``None``: unknown, served
-    as many and long)."""
-    rule_list = rules(kernel, dtype, head_dim, arch, block_m)[0]
+    as many and long); ``contiguous``: its contiguous kernels' (:func:`rules`)."""
+    rule_list = rules(kernel, dtype, head_dim, arch, block_m, contiguous)[0]
     return pick_rule(rule_list, max_tokens, programs, num_sms)[2]
 
 
 def config_reason(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None,
                   block_m: int | None = None, programs: int | None = None,
-                  num_sms: int | None = None) -> str:
+                  num_sms: int | None = None, contiguous: int = 0) -> str:
     """Why :func:`config_for` gives its config: the rule list's source and the matched rule."""
-    rule_list, source = rules(kernel, dtype, head_dim, arch, block_m)
+    rule_list, source = rules(kernel, dtype, head_dim, arch, block_m, contiguous)
     per_sm, bound, _ = pick_rule(rule_list, max_tokens, programs, num_sms)
     fewer = [p for p, _, _ in rule_list if p is not None]
     shorter = [b for p, b, _ in rule_list if p == per_sm and b is not None]
@@ -302,15 +318,17 @@ def append_spec() -> Spec:
 @functools.lru_cache(maxsize=None)
 def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
                       config: Config | None = None, page_size: int = 0,
-                      contiguous: bool = False) -> Spec:
-    """``contiguous``: the kernel that reads each item's range as one run of slots (the
-    launch's ranges lie in consecutive pages), for any page size."""
+                      contiguous: int = 0) -> Spec:
+    """``contiguous``: the kernel that reads each item's range as that many runs of
+    consecutive slots (1 or 2: ``planner.item_runs``), for any page size."""
     check_dtype(dtype)
     check_head_dim(head_dim)
     if block_m not in TREE_BLOCK_MS:
         raise ValueError(f"tree_partial BLOCK_M {block_m} is not compiled: {TREE_BLOCK_MS}")
+    if contiguous:
+        _check_contiguous("tree_partial", contiguous)
     block_n, warps, stages = config or config_for("tree_partial", dtype, head_dim, arch,
-                                                  block_m=block_m)
+                                                  block_m=block_m, contiguous=contiguous)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
                      BLOCK_N=block_n, PAGE=0 if contiguous else compiled_page(page_size),
                      CONTIGUOUS=int(contiguous), PDL=grid_dependency(arch))
@@ -335,11 +353,11 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
                 block_m: int | None = None, page_size: int = 0,
-                contiguous: bool = False) -> Spec:
+                contiguous: int = 0) -> Spec:
     """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``, for one of its
     :func:`addressings`."""
     if contiguous:
-        _check_contiguous(kernel)
+        _check_contiguous(kernel, contiguous)
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, contiguous)
     if kernel.startswith("tree_final"):
@@ -368,12 +386,13 @@ def rule_kernel(spec: Spec) -> str:
 
 def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:
     """Every rule list of one dtype and head_dim, by key, its configs replaced by their
-    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``; the lists of each of a kernel's
-    :func:`addressings` pick the same configs."""
+    kernel specs: ``(max_programs_per_sm, max_tokens, spec)``, for each of a kernel's
+    :func:`addressings` (a compiled page size picks the configs of any page size's list)."""
     return {rule_key(kernel, dtype, head_dim, block_m, page_size, contiguous):
             [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m,
                                          page_size, contiguous))
-             for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m)[0]]
+             for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m,
+                                                contiguous)[0]]
             for kernel, block_m in RULE_LISTS
             for page_size, contiguous in addressings(kernel)}
 

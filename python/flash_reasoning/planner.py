@@ -74,8 +74,8 @@ class PlanArrays:
     ``order[chunk_row_ptr[c]:chunk_row_ptr[c] + chunk_rows[c]]``, whose partials are entries
     ``chunk_entry0[c] + j``, stored in partial slot ``entry_slot[entry]``; an open chunk
     (``chunk_open[c]``) ends at its row's length at run time. ``items[block_m]`` are the int32
-    records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``). Branch (row) ``b``'s final
-    range is ``[final_start[b], its length)``; it merges the partial slots
+    records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``; views of ``work``). Branch (row)
+    ``b``'s final range is ``[final_start[b], its length)``; it merges the partial slots
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
     final-kernel program serves ``final_lanes`` branches (rows ``order[p * final_lanes:]``, the
@@ -163,16 +163,17 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
     return PlanArrays(**raw, stats=stats)
 
 
-def contiguous_launches(arrays: PlanArrays, tables: np.ndarray, rows: np.ndarray,
-                        block_size: int) -> dict[int, bool]:
-    """Per row tile of ``arrays.items``: whether its partial launch may read every item as one
-    run of slots (the contiguous ``tree_partial`` kernels): each item closed, inside its row's
-    shared ranges (blocks that stay put while the plan is valid) and on consecutive pages.
-    Branch ``i``'s block table is ``tables[rows[i]]`` (int64, host memory, read in place:
-    ``PhysicalKVAllocator.host_tables``). The C ABI decides the same way
-    (``csrc/core/planner.h``, ``items_contiguous``)."""
-    return {block_m: _launcher.items_contiguous(records, arrays.final_start, tables, rows,
-                                                block_size)
+def item_runs(arrays: PlanArrays, tables: np.ndarray, rows: np.ndarray,
+              block_size: int) -> dict[int, int]:
+    """Per row tile of ``arrays.items``: how its partial launch may read the items, as the runs
+    of consecutive slots the most scattered one lies in (1 or 2: the contiguous ``tree_partial``
+    kernels; 0: the page kernels): each item closed, inside its row's shared ranges (blocks
+    that stay put while the plan is valid) and broken at most once between pages. Where two
+    runs, each item's ``run_split`` field is written in place (``arrays.items`` are views of
+    ``arrays.work``: before the upload). Branch ``i``'s block table is ``tables[rows[i]]``
+    (int64, host memory, read in place: ``PhysicalKVAllocator.host_tables``). The C ABI decides
+    the same way (``csrc/core/planner.h``, ``item_runs``)."""
+    return {block_m: _launcher.item_runs(records, arrays.final_start, tables, rows, block_size)
             for block_m, records in arrays.items.items()}
 
 

@@ -66,9 +66,12 @@ APPEND_KV = Family(
 
 #: One work item of ``tree_partial``: an int32 record of these fields, in this order (the
 #: planner writes them, the kernel reads them by index). ``open_end`` 1: the item ends at its
-#: table row's current length, read on the device (a final range's last chunk).
+#: table row's current length, read on the device (a final range's last chunk). ``run_split``:
+#: where the second run of consecutive slots of the item's range begins, read by the kernels
+#: that take the range as two runs (``planner.item_runs`` writes it; the planner writes
+#: ``kv_end``).
 TREE_ITEM_FIELDS = ("table_row", "kv_start", "kv_end", "row_ptr", "num_rows",
-                    "first_flat_row", "entry0", "open_end")
+                    "first_flat_row", "entry0", "open_end", "run_split")
 
 #: A packed final program's shared range: an int32 record of these fields (the planner writes
 #: them, one per program; ``tree_final`` with ``COMMON`` reads them): tokens [start, end) that

@@ -124,12 +124,23 @@ def _winner(samples: list[Sample]) -> Config:
                key=lambda c: (statistics.fmean(ratios[c]), c))
 
 
+def parse_rule_key(key: str) -> tuple[str, str, int, int | None, int]:
+    """(kernel, dtype, head_dim, block_m, contiguous) of a tuned rule list's key
+    (``dispatch.rule_key`` of any page size)."""
+    kernel, dtype, head_dim, *rest = key.split("/")
+    runs = {suffix: r for r, suffix in dispatch.CONTIGUOUS_RULE_SUFFIXES.items()}
+    contiguous = runs[rest.pop()] if rest and rest[-1] in runs else 0
+    return kernel, dtype, int(head_dim), int(rest[0]) if rest else None, contiguous
+
+
 def compiled_configs(manifest: dict, key: str) -> list[Config]:
-    """The (BLOCK_N, warps, stages) configs compiled for rule list ``key``."""
-    kernel, dtype, head_dim, *block_m = key.split("/")
+    """The (BLOCK_N, warps, stages) configs compiled for rule list ``key`` (a contiguous
+    kernels' list, ``.../contiguous`` or ``.../two_runs``: theirs)."""
+    kernel, dtype, head_dim, block_m, contiguous = parse_rule_key(key)
     family, wanted = dispatch.RULE_LIST_SPECS[kernel]
-    wanted = {"BLOCK_M": int(block_m[0]) if block_m else dispatch.BLOCK_M, **wanted,
-              "dtype": dtype, "HEAD_DIM": int(head_dim)}
+    addressing = {"CONTIGUOUS": contiguous} if kernel in dispatch.CONTIGUOUS_KERNELS else {}
+    wanted = {"BLOCK_M": block_m or dispatch.BLOCK_M, **wanted, **addressing,
+              "dtype": dtype, "HEAD_DIM": head_dim}
     return sorted({(k["key"]["BLOCK_N"], k["num_warps"], k["num_stages"])
                    for k in manifest["kernels"] if k["kernel"] == family
                    and all(k["key"].get(name) == value for name, value in wanted.items())})
@@ -138,22 +149,28 @@ def compiled_configs(manifest: dict, key: str) -> list[Config]:
 class Tuner:
     """Times candidates on one device; ``samples`` collects every timing."""
 
-    def __init__(self, device: torch.device, runs: int) -> None:
+    def __init__(self, device: torch.device, runs: int, only: tuple[str, ...] = ()) -> None:
         self.device = device
         self.arch = runtime.arch_of(device.index)
         self.num_sms = runtime.num_sms(device.index)
         self.manifest = runtime.load_manifest(self.arch)
         self.runs = runs
+        self.only = only
         self.samples: list[Sample] = []
 
     def candidates(self, key: str) -> list[Config]:
+        """The configs to time for rule list ``key``: none where one is compiled (nothing to
+        choose) or where ``only`` names other lists."""
+        if self.only and not any(part in key for part in self.only):
+            return []
         configs = compiled_configs(self.manifest, key)
-        return configs if len(configs) > 1 else []  # one candidate: nothing to choose
+        return configs if len(configs) > 1 else []
 
     def time_tree(self, dtype: str, head_dim: int, group: int, levels: tuple, leaf: int) -> None:
         """Each launch of the planner's plan for a tree, with every candidate."""
-        keys = [dispatch.rule_key(k, dtype, head_dim, b) for k, b in dispatch.RULE_LISTS
-                if k.startswith("tree")]
+        keys = [dispatch.rule_key(k, dtype, head_dim, b, 0, runs)
+                for k, b in dispatch.RULE_LISTS if k.startswith("tree")
+                for _, runs in dispatch.addressings(k)]
         if not any(self.candidates(key) for key in keys):
             return
         nodes, tokens = levels
@@ -170,8 +187,9 @@ class Tuner:
             kernel = dispatch.rule_kernel(launch.spec)
             keys = launch.spec.key
             block_m = keys["BLOCK_M"] if kernel == "tree_partial" else None
-            key = dispatch.rule_key(kernel, dtype, head_dim, block_m)
-            page, contiguous = keys["PAGE"], bool(keys.get("CONTIGUOUS", 0))
+            page, contiguous = keys["PAGE"], keys.get("CONTIGUOUS", 0)
+            # The page kernels of any size pool under one list; each run count has its own.
+            key = dispatch.rule_key(kernel, dtype, head_dim, block_m, 0, contiguous)
             runs = {config: [replace(launch, spec=dispatch.kernel_spec(
                 kernel, dtype, head_dim, self.arch, config, block_m, page, contiguous))]
                 for config in self.candidates(key)}
@@ -292,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="write a table pinning this config instead of measuring")
     parser.add_argument("--from-raw", type=Path, metavar="RAW",
                         help="choose again from a --raw file (no GPU needed)")
+    parser.add_argument("--only", type=parse_only, default=(), metavar="PART,...",
+                        help="time only the rule lists whose key holds one of these parts "
+                        "(e.g. /contiguous,/two_runs)")
+    parser.add_argument("--base", type=Path, metavar="TABLE",
+                        help="write this table's rules with the measured lists replaced "
+                        "(what --only refits)")
     parser.add_argument("--bands", type=parse_bands, default=PROGRAMS_PER_SM_BANDS,
                         metavar="P1,P2", help="programs per SM where rule lists may split "
                         f"(default {','.join(map(str, PROGRAMS_PER_SM_BANDS))})")
@@ -309,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                            {**measured_on, "fixed": list(args.fixed)})
         print(f"wrote {out} (pinned {args.fixed})")
         return 0
-    tuner = Tuner(device, args.runs)
+    tuner = Tuner(device, args.runs, args.only)
     grid = list(workloads(args.dtypes.split(","), [int(d) for d in args.head_dims.split(",")]))
     for i, (method, margs) in enumerate(grid):
         getattr(tuner, method)(*margs)
@@ -322,11 +346,26 @@ def main(argv: list[str] | None = None) -> int:
         args.raw.write_text(json.dumps({"measured_on": measured_on, "samples": [
             {**s.__dict__, "bucket": s.bucket} for s in tuner.samples]}) + "\n")
         print(f"wrote {args.raw}")
-    tuning_table.write(out, arch, rules, {**measured_on, "bands": list(args.bands)})
+    measured_on["bands"] = list(args.bands)
+    if args.base:
+        rules, measured_on = refit(tuning_table.read(args.base), rules, measured_on)
+    tuning_table.write(out, arch, rules, measured_on)
     for key, rule_list in sorted(rules.items()):
         print(f"{key}: " + ", ".join(describe(rule) for rule in rule_list))
     print(f"wrote {out}")
     return 0
+
+
+def parse_only(text: str) -> tuple[str, ...]:
+    return tuple(part for part in text.split(",") if part)
+
+
+def refit(base: tuning_table.Table, measured: dict[str, Rules],
+          measured_on: dict) -> tuple[dict[str, Rules], dict]:
+    """``base``'s rules with the ``measured`` lists in place of (or beside) its own, and its
+    provenance with this run's under ``refits`` (which lists, measured where and when)."""
+    refits = [*base.measured_on.get("refits", []), {**measured_on, "keys": sorted(measured)}]
+    return {**base.rules, **measured}, {**base.measured_on, "refits": refits}
 
 
 def describe(rule: tuning_table.Rule) -> str:

@@ -49,9 +49,10 @@ class TreeAttentionPlan:
     The output is softmax attention with natural-log LSE merges (not base 2).
     ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` force the
     planner's choices (``flash_reasoning.planner``), for tuning and tests. The attribute
-    ``contiguous`` holds, per row tile, whether its partial launch reads each range as one run
-    of slots (its ranges lie in consecutive pages: ``planner.contiguous_launches``);
-    ``contiguous=False`` keeps every partial launch on the paged kernels, for comparisons.
+    ``contiguous`` holds, per row tile, the runs of consecutive slots its partial launch reads
+    each range as (1 or 2 where its ranges lie in consecutive pages, broken at most once; 0:
+    the paged kernels; ``planner.item_runs``); ``contiguous=False`` keeps every partial launch
+    on the paged kernels, for comparisons.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
@@ -88,9 +89,10 @@ class TreeAttentionPlan:
         self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
                                    flat=flat, final_lanes=final_lanes, one_tile=one_tile,
                                    early_final=early_final)
-        self._upload_work_lists(device)
-        self.contiguous = {} if contiguous is False else planner.contiguous_launches(
+        # Before the upload: two runs write each item's split into the plan's work buffer.
+        self.contiguous = {} if contiguous is False else planner.item_runs(
             self.arrays, *allocator.host_tables(self.branch_ids), allocator.block_size)
+        self._upload_work_lists(device)
         self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
                                        self.head_dim, dtype=torch.float32, device=device)
         self.partial_lse = torch.empty(self.arrays.num_entries, self.num_qo_heads,
@@ -185,9 +187,7 @@ class TreeAttentionPlan:
                    self.allocator.block_size, self.tables.shape[1])
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
         templates = [
-            (dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, self._config(
-                "tree_partial", dtype, tokens, records.shape[0] * kv_heads, block_m),
-                self.allocator.block_size, self.contiguous.get(block_m, False)),
+            (self._partial_spec(dtype, block_m, tokens, records.shape[0] * kv_heads),
              (records.shape[0], kv_heads, 1),
              paged + (self._order, items, self._entry_slot, self.partial_out,
                       self.partial_lse) + scalars + (int(self.arrays.early_final),))
@@ -221,6 +221,14 @@ class TreeAttentionPlan:
                           + scalars + (self.num_branches, lanes)))
         return templates
 
+    def _partial_spec(self, dtype: str, block_m: int, max_tokens: int, programs: int):
+        """The partial launch of the ``block_m``-row tile: its kernel reads each range through
+        the pages or as the runs of slots the plan found (:attr:`contiguous`)."""
+        runs = self.contiguous.get(block_m, 0)
+        config = self._config("tree_partial", dtype, max_tokens, programs, block_m, runs)
+        return dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, config,
+                                          self.allocator.block_size, runs)
+
     def _decode_template(self, dtype: str, grid: tuple, longest: int, paged: tuple) -> tuple:
         """A plan with no partials (``PlanArrays.decode``): paged_decode's kernel, unsplit,
         over the final launch's ``grid`` (one lane: a program per branch and query tile), each
@@ -235,14 +243,15 @@ class TreeAttentionPlan:
         return spec, grid, paged + ("out", None, None) + scalars
 
     def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,
-                block_m: int | None = None) -> tuple[int, int, int]:
+                block_m: int | None = None, contiguous: int = 0) -> tuple[int, int, int]:
         """The dispatch rules' config for a launch of ``programs`` programs that walk at most
         ``max_tokens`` tokens each."""
         config = dispatch.config_for(kernel, dtype, self.head_dim, self.arch, max_tokens, block_m,
-                                     programs, self.num_sms)
+                                     programs, self.num_sms, contiguous)
         if log.enabled():
             log.config_chosen(kernel, config, dtype, self.arch, self.head_dim, max_tokens,
-                              block_m, programs=programs, num_sms=self.num_sms)
+                              block_m, programs=programs, num_sms=self.num_sms,
+                              contiguous=contiguous)
         return config
 
     def _upload_work_lists(self, device: torch.device) -> None:
@@ -251,7 +260,7 @@ class TreeAttentionPlan:
         arrays = self.arrays
         parts = [arrays.order, arrays.final_start, arrays.merge_ptr, arrays.entry_slot,
                  arrays.common, *arrays.items.values()]
-        self._work = torch.from_numpy(arrays.work).to(device)
+        self._work = torch.tensor(arrays.work, device=device)  # a copy on the CPU too
         (self._order, self._final_start, self._merge_ptr, self._entry_slot, self._common,
          *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
 
