@@ -77,6 +77,7 @@ def explore(name, case):
     slots = (plan.partial_out, plan.partial_lse)
     args = list(partial.args)
     args[[name for name, _ in TREE_PARTIAL.params].index("items")] = wide_items
+    args[[name for name, _ in TREE_PARTIAL.params].index("heads_first")] = 0  # (items, heads)
     constexprs = dict(partial.spec.constexprs)
     kernel = JIT_FUNCTIONS["tree_partial"]
     fns = {"shipped": lambda: plan.run(q, 0, out),

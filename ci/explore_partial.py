@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from flash_reasoning import TreeAttentionPlan, bench, planner, runtime, timing
+from flash_reasoning.ops.tree_attention import partial_grid
 from flash_reasoning.runtime import Launch
 from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 
@@ -76,6 +77,7 @@ def explore(name, case, runs=30):
 
 
 ITEMS = [name for name, _ in TREE_PARTIAL.params].index("items")
+HEADS_FIRST = [name for name, _ in TREE_PARTIAL.params].index("heads_first")
 START, END = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
 
 
@@ -96,7 +98,9 @@ def with_items(launch, records, index, device):
     items = torch.from_numpy(np.ascontiguousarray(records[index])).to(device)
     args = list(launch.args)
     args[ITEMS] = items
-    return Launch(launch.spec, (len(index), launch.grid[1], 1), tuple(args))
+    heads_first = args[HEADS_FIRST]
+    heads = launch.grid[0] if heads_first else launch.grid[1]
+    return Launch(launch.spec, partial_grid(len(index), heads, heads_first), tuple(args))
 
 
 def subsets(name, case, runs=30):
@@ -121,11 +125,12 @@ def profile(name, case, min_tokens):
     """The wide partial launch's items of at least ``min_tokens`` tokens, run three times, for a
     profiler: ``ncu --kernel-name regex:tree_partial --launch-skip 2 --launch-count 1 ...``."""
     launch, records, lengths, device = wide_partial(case)
-    one = with_items(launch, records, np.flatnonzero(lengths >= min_tokens), device)
+    chosen = np.flatnonzero(lengths >= min_tokens)
+    one = with_items(launch, records, chosen, device)
     for _ in range(3):
         runtime.run([one], device)
     torch.cuda.synchronize()
-    print(f"{name}: {one.spec.name} over {one.grid[0]} items x {one.grid[1]} KV heads", flush=True)
+    print(f"{name}: {one.spec.name} over {len(chosen)} items, grid {one.grid}", flush=True)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,18 @@ LEAF_PROGRAMS_PER_SM = (1, 2, 3)
 
 
 def persistent_module():
-    """tree_attention.py with tree_partial's body in a loop over items
-    ``program_id(0) + k * num_programs(0) < num_items``."""
+    """tree_attention.py with tree_partial's body in a loop over its (item, KV head) pairs, each
+    item's heads together: ``program_id(0) + k * num_programs(0) < num_pairs``."""
     src = Path("aot/kernels/tree_attention.py").read_text()
-    first = "    item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE\n"
+    first = "    item_index, kv_head = item_and_head(heads_first)\n"
     end = "    # A second partial launch overlaps the first"
     body = src[src.index(first):src.index(end)]
-    looped = ("    for it in range(tl.program_id(0), num_items, tl.num_programs(0)):\n"
-              + textwrap.indent(body.replace("tl.program_id(0).to(tl.int64)",
-                                             "(it + tl.zeros([], tl.int64))"),
-                                             "    "))
-    return variant("persistent", ("max_blocks, early_final,\n", "max_blocks, early_final, num_items,\n"),
+    looped = ("    for it in range(tl.program_id(0), num_pairs, tl.num_programs(0)):\n"
+              + textwrap.indent(body.replace("item_and_head(heads_first)",
+                                             "(it // num_kv_heads, it % num_kv_heads)"),
+                                "    "))
+    return variant("persistent", ("                 heads_first,\n",
+                                  "                 heads_first, num_pairs,\n"),
                    (body, looped))
 
 
@@ -55,10 +56,10 @@ def jit_launch(launch, programs_per_sm, num_sms, pdl, config=None):
         constexprs["BLOCK_N"], warps, stages = config
     args, grid = list(launch.args), launch.grid
     if launch.spec.family == "tree_partial":
-        items, heads = grid[0], grid[1]
-        cap = items if programs_per_sm is None else max(1, programs_per_sm * num_sms // heads)
-        grid = (min(items, cap), heads, 1)
-        args.append(items)
+        pairs = grid[0] * grid[1]
+        cap = pairs if programs_per_sm is None else max(1, programs_per_sm * num_sms)
+        grid = (min(pairs, cap), 1, 1)
+        args.append(pairs)
     return lambda: fn[grid](*args, **constexprs, num_warps=warps, num_stages=stages,
                             launch_pdl=pdl)
 

@@ -75,6 +75,7 @@ explore item_contiguous "separate-merge items read as runs of slots (upper bound
 explore knobs "the planner's regret: each knob forced on every case"
 explore partial "the deep trees' partial launches: folds and configs"
 explore common "final programs that read their lanes' shared range once"
+explore grid_order "partial launches: each item's heads together, or each head's items"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1

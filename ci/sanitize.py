@@ -137,6 +137,7 @@ class Checker:
         self.checks = 0
         self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
         self.runs: set[tuple[int, int]] = set()  # (tile, runs of slots) of contiguous ones
+        self.orders: set[bool] = set()  # partial launches' heads_first, of the plans that ran
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
         self.decode_plans = 0  # plans with no partials: one paged_decode launch
         self.shared_plans = 0  # plans whose packed programs read a shared range once
@@ -169,6 +170,7 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
                                  separate_merge=merge, final_lanes=lane, flat=flat)
         check.tiles.update(plan.arrays.items)
         check.runs.update((tile, runs) for tile, runs in plan.contiguous.items() if runs)
+        check.orders.update(plan.arrays.heads_first.values())
         check.shared_plans += plan.arrays.has_common
         if plan.arrays.decode:
             check.decode_plans += 1
@@ -211,7 +213,7 @@ def main() -> int:
     check_tree(check, "deep, flat", *deep_tree(), 4, lanes=(None, 4, 8), flat=True)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
           f"tiles run: {sorted(check.tiles)} (contiguous, as (tile, runs): "
-          f"{sorted(check.runs)}); "
+          f"{sorted(check.runs)}; heads first: {sorted(check.orders)}); "
           f"tree_final lanes run: {sorted(check.lanes)}; plans run as a paged decode: "
           f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}",
           flush=True)

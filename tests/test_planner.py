@@ -76,6 +76,11 @@ def check_plan(tree, arrays, group):
                 assert key not in seen
                 seen[key] = (start, end, is_open)
     assert len(seen) == arrays.num_entries * group
+    start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
+    assert set(arrays.heads_first) == set(arrays.items)
+    for block_m, records in arrays.items.items():  # heads first: items of unequal lengths
+        length = records[:, end] - records[:, start]
+        assert not arrays.heads_first[block_m] or length.max() >= 2 * max(length.min(), 1)
 
 
 @settings(max_examples=60, deadline=None)
@@ -400,6 +405,34 @@ def test_empty_branches_plan_to_empty_ranges():
     assert arrays.num_entries == 0 and (arrays.final_start == 0).all()
 
 
+@pytest.mark.parametrize("lengths, items, heads_first", [
+    ([], 1, False), ([256], 1, False), ([256, 256, 256], 3, False), ([256, 144], 2, False),
+    ([1280, 128], 64, True), ([1024, 256, 1024], 3, True), ([128, 64], 2, True),
+    ([0, 64], 2, True), ([1280, 128], 66, True), ([1280, 128], 67, False)])
+def test_few_waves_of_unequal_items_run_each_items_heads_together(lengths, items, heads_first):
+    """``heads_first_order`` at 8 KV heads on 132 SMs: a longest item at least twice the
+    shortest, at most 4 programs per SM (66 items); never more items than a grid's second
+    dimension holds."""
+    from flash_reasoning import _launcher
+    assert (_launcher.HEADS_FIRST_LENGTH_RATIO, _launcher.HEADS_FIRST_PROGRAMS_PER_SM) == (2, 4)
+    assert _launcher.heads_first_order(lengths, items, 8, 132) == heads_first
+    assert _launcher.heads_first_order([1280, 128], 65535, 1, 20000)
+    assert not _launcher.heads_first_order([1280, 128], 65536, 1, 20000)
+
+
+def test_plans_order_their_launches_by_item_lengths():
+    """ft_1,4,16,512/q32kv8's partial launch (a folded root's 1280-token items, then 128-token
+    ones, 3.9 programs per SM) runs each item's heads together; /q32kv32's (7.8 programs per SM)
+    and seed_b256's root (equal chunks), each head's items."""
+    for name, expected in (("ft_1,4,16,512/q32kv8", {64: True}),
+                           ("ft_1,4,16,512/q32kv32", {64: False}),
+                           ("seed_b256/q32kv8", {64: False})):
+        case = next(c for c in load_cases()["cases"] if c["name"] == name)
+        alloc, leaves = case_allocator(case, device="cpu")
+        tree, arrays = plan_for(alloc, leaves, 32)
+        assert arrays.heads_first == expected, name
+
+
 def test_item_fields_match_the_core():
     """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS and
     COMMON_FIELDS."""
@@ -552,7 +585,8 @@ def test_item_runs_need_closed_shared_ranges_broken_once_at_most(records, runs, 
         *[None] * 8, items={64: work.reshape(-1, len(TREE_ITEM_FIELDS))},
         final_start=np.array([32, 16, 40], np.int32), merge_ptr=None, entry_slot=None,
         common=np.zeros((0, 3), np.int32), num_entries=0, work=work, work_offsets=None,
-        separate_merge=False, final_lanes=1, final_block_m=16, early_final=False, decode=False)
+        separate_merge=False, final_lanes=1, final_block_m=16, heads_first={64: False},
+        early_final=False, decode=False)
     assert planner.item_runs(arrays, mirror, rows, 8) == {64: runs}
     split = TREE_ITEM_FIELDS.index("run_split")
     written = np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))

@@ -193,6 +193,26 @@ def test_two_run_partials_interpreted(piece_blocks, root_tokens, splits, num_qo_
 
 
 @interpreter
+@pytest.mark.parametrize("root_tokens, heads_first", [(300, False), (280, True)])
+def test_partial_launch_orders_interpreted(root_tokens, heads_first):
+    """Items of alike lengths (4 x 64 and 40 tokens) run each KV head's items together, on a grid
+    of (items, heads); of unequal ones (2 x 128 and 24), each item's heads, on (heads, items):
+    either order covers every (item, head) pair once and matches the reference (more items than
+    the 2 KV heads, so a grid read the wrong way round fails)."""
+    alloc, ids = shared_root("cpu", root_tokens=root_tokens)
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
+    check(out, q, alloc, ids)
+    (launch,) = [x for x in plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)
+                 if x.spec.family == "tree_partial"]
+    (block_m, records), = plan.arrays.items.items()
+    assert plan.arrays.heads_first == {block_m: heads_first}
+    items, heads = records.shape[0], alloc.num_kv_heads
+    assert launch.grid == ((heads, items, 1) if heads_first else (items, heads, 1))
+    assert launch.args[[n for n, _ in TREE_PARTIAL.params].index("heads_first")] == heads_first
+
+
+@interpreter
 @pytest.mark.parametrize("free_root", [False, True])
 def test_contiguous_partials_survive_copy_on_write_interpreted(free_root):
     """The plan reads the shared root as one run from its first page; a decode step then

@@ -3,13 +3,15 @@
 ``tree_partial`` runs the planner's work items (``flash_reasoning.planner``): item ``i`` is a
 token range of one tree node, read through one block table row, against a BLOCK_M-row tile of
 the (branch, query head) pairs below the node, so a shared range is loaded once for all of
-them. Row ``f`` of a node's flattened rows is branch ``order[row_ptr + f // group]``, head
-``kv_head * group + f % group``. Each writes fp32 outputs and natural-log LSEs to partial slot
-``entry_slot[entry0 + f // group]``: the planner numbers slots so that each branch's partials
-are contiguous. ``CONTIGUOUS`` (1 or 2): the plan found every item of the launch in that many
-runs of consecutive pages at most (``planner.item_runs``), so each range is read as runs of
-slots from their first pages, the second from the item's ``run_split``
-(``attention_core.attend_runs``).
+them. A launch has one program per (item, KV head): its grid is (items, heads), each head's
+items together, or with ``heads_first`` (few waves of items of unequal lengths) (heads, items),
+each item's heads together. Row ``f`` of a node's flattened rows is branch
+``order[row_ptr + f // group]``, head ``kv_head * group + f % group``. Each writes fp32 outputs
+and natural-log LSEs to partial slot ``entry_slot[entry0 + f // group]``: the planner numbers
+slots so that each branch's partials are contiguous. ``CONTIGUOUS`` (1 or 2): the plan found
+every item of the launch in that many runs of consecutive pages at most
+(``planner.item_runs``), so each range is read as runs of slots from their first pages, the
+second from the item's ``run_split`` (``attention_core.attend_runs``).
 
 ``tree_final`` runs one program per (branch, query-head tile): attention over the branch's
 final range ``[final_start, seq_len)``, then the log-sum-exp merge with the branch's partial
@@ -63,9 +65,19 @@ COMMON_END = tl.constexpr(_COMMON_FIELDS.index("end"))
 
 
 @triton.jit
+def item_and_head(heads_first):
+    """This program's (item, KV head): the grid is (items, heads), or with ``heads_first``
+    (heads, items), so that an item's heads run one after another."""
+    first = heads_first != 0
+    return (tl.where(first, tl.program_id(1), tl.program_id(0)),
+            tl.where(first, tl.program_id(0), tl.program_id(1)))
+
+
+@triton.jit
 def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_slot,
                  partial_out, partial_lse,
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks, early_final,
+                 heads_first,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGE: tl.constexpr, CONTIGUOUS: tl.constexpr, PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
@@ -75,8 +87,8 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     # beside the first. Only a launch made to overlap this one reacts.
     if early_final:
         let_next_launch_start(PDL)
-    item = items + tl.program_id(0).to(tl.int64) * ITEM_STRIDE
-    kv_head = tl.program_id(1)
+    item_index, kv_head = item_and_head(heads_first)
+    item = items + item_index.to(tl.int64) * ITEM_STRIDE
     group = num_qo_heads // num_kv_heads
     f = tl.load(item + FIRST_ROW) + tl.arange(0, BLOCK_M)
     local = f // group

@@ -226,15 +226,19 @@ bool flat_may_win(const SegmentTree& t, const PlanShape& shape, double estimate)
 }
 
 // The tree_partial records of each row tile: one per (chunk, tile).
-void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_t group, std::vector<ItemList>* out) {
+void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, const PlanShape& shape,
+                std::vector<ItemList>* out) {
+  int64_t group = shape.group();
   out->clear();
   std::vector<int64_t> sizes(chunk_block_m);
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
   for (int64_t block_m : sizes) {
     ItemList list{block_m, {}};
+    std::vector<int64_t> planned_lengths;
     for (size_t c = 0; c < chunk_block_m.size(); ++c) {
       if (chunk_block_m[c] != block_m) continue;
+      planned_lengths.push_back(p.chunk_end[c] - p.chunk_start[c]);
       for (int64_t tile = 0; tile < ceil_div(p.chunk_rows[c] * group, block_m); ++tile) {
         int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c],  p.chunk_end[c],
                             p.chunk_row_ptr[c],   p.chunk_rows[c],   tile * block_m,
@@ -242,6 +246,7 @@ void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, int64_
         list.records.insert(list.records.end(), std::begin(record), std::end(record));
       }
     }
+    list.heads_first = heads_first_order(planned_lengths, list.count(), shape.num_kv_heads, shape.num_sms);
     out->push_back(std::move(list));
   }
 }
@@ -252,6 +257,14 @@ bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const
                          double reread_weight) {
   double reread = double(consumers - 1) * double(eff_len) * (double(shape.kv_bytes_per_token()) * reread_weight);
   return reread < double(rows * shape.partial_bytes_per_row());
+}
+
+bool heads_first_order(const std::vector<int64_t>& planned_lengths, int64_t items, int64_t num_kv_heads,
+                       int64_t num_sms) {
+  if (planned_lengths.empty() || items > kMaxGridY || items * num_kv_heads > kHeadsFirstProgramsPerSm * num_sms)
+    return false;
+  auto [shortest, longest] = std::minmax_element(planned_lengths.begin(), planned_lengths.end());
+  return *longest >= kHeadsFirstLengthRatio * std::max<int64_t>(*shortest, 1);
 }
 
 int64_t chunk_length(int64_t length, int64_t target) {
@@ -475,7 +488,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
                              " heads: too many for one step; split the branches over calls");
   p.order.assign(tree.order.begin(), tree.order.end());
   merge_slots(tree, &p);
-  make_items(p, chunk_block_m, shape.group(), &p.items);
+  make_items(p, chunk_block_m, shape, &p.items);
   p.decode = runs_as_decode(p.separate_merge, p.num_entries, options.final_lanes != 0);
   if (!p.separate_merge && !p.decode)
     p.final_lanes = options.final_lanes ? options.final_lanes : planned_lanes(p, tree, shape, r.num_computed);

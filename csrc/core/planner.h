@@ -191,6 +191,9 @@ struct PlanOptions {
 struct ItemList {
   int64_t block_m = 0;
   std::vector<int32_t> records;
+  // The launch's grid is (heads, items), so that each item's KV heads run one after another,
+  // not (items, heads), each head's items: heads_first_order().
+  bool heads_first = false;
 
   int64_t count() const { return int64_t(records.size() / kTreeItemFields.size()); }
 };
@@ -262,7 +265,24 @@ int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const in
 int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int64_t* tables, const int64_t* rows,
               int64_t stride, int64_t block_size);
 
+// A partial launch of at most kHeadsFirstProgramsPerSm programs per SM whose longest item is at
+// least kHeadsFirstLengthRatio times its shortest (planned lengths) runs each item's KV heads
+// together, so that its first items start first on every head and the last ones fill the tail
+// (items follow the ranges' order: shallower nodes and computed roots, the long ones, before
+// deeper nodes and final ranges); where items are alike, or the launch runs many waves (the
+// scheduler balances those), each head's items together keep the row tiles that share a chunk
+// side by side. H100 (docs/perf.md session 27), the bench built both ways: ft_1,4,16,512/q32kv8 (1280-
+// and 128-token items, 3.9 programs per SM) 88.5 -> 85.5 us, long_1,4/q32kv8 (2.2) 59.2 -> 57.3;
+// ft_1,4,16,512/q32kv32 (7.8) 167.3 -> 169.8; ci/explore_grid_order.py, the order flipped:
+// ft_1,1024/q32kv8's equal items 163.0 against 163.8 heads first.
+constexpr int64_t kHeadsFirstLengthRatio = 2;
+constexpr int64_t kHeadsFirstProgramsPerSm = 4;
+// A CUDA grid's second dimension: a heads-first launch's items at most.
+constexpr int64_t kMaxGridY = 65535;
+
 // The cost model, small pure functions.
+bool heads_first_order(const std::vector<int64_t>& planned_lengths, int64_t items, int64_t num_kv_heads,
+                       int64_t num_sms);
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);

@@ -207,14 +207,16 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
   Arg scale = Arg::Float(shape_.scale_log2()), qo = Arg::Int(shape_.num_qo_heads), kv = Arg::Int(shape_.num_kv_heads),
       page = Arg::Int(shape_.block_size), cols = Arg::Int(max_blocks_);
   for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i)
-    st = ctx_.launch(partial_kernels_[i], plan_.items[i].count(), shape_.num_kv_heads, 1,
+    st = ctx_.launch(partial_kernels_[i], plan_.items[i].heads_first ? shape_.num_kv_heads : plan_.items[i].count(),
+                     plan_.items[i].heads_first ? plan_.items[i].count() : shape_.num_kv_heads, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
                       {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
                       {"entry_slot", work(kEntrySlot)}, {"partial_out", device(d_partial_out_)},
                       {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
-                      {"early_final", Arg::Int(plan_.early_final)}},
+                      {"early_final", Arg::Int(plan_.early_final)},
+                      {"heads_first", Arg::Int(plan_.items[i].heads_first)}},
                      stream, i > 0);  // the second tile's launch overlaps the first's
   if (!st.ok()) return st;
   if (plan_.decode) {  // no partials: paged_decode's kernel over the plan's tables, unsplit

@@ -272,6 +272,9 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
         p.items[i].count(), static_cast<int64_t>(fr::kTreeItemFields.size()));
   }
   d["items"] = items;
+  py::dict heads_first;
+  for (const fr::ItemList& list : p.items) heads_first[py::int_(list.block_m)] = list.heads_first;
+  d["heads_first"] = heads_first;
   return d;
 }
 
@@ -357,6 +360,12 @@ PYBIND11_MODULE(_launcher, m) {
         "The runs of consecutive slots one launch's items lie in (1 or 2; 0: the page kernels), writing each "
         "item's run_split when 2 (csrc/core/planner.h); branch i's block table is tables[rows[i]], read in place.");
   m.attr("MAX_ITEM_RUNS") = fr::kMaxItemRuns;
+  m.def("heads_first_order", &fr::heads_first_order, py::arg("planned_lengths"), py::arg("items"),
+        py::arg("num_kv_heads"), py::arg("num_sms"),
+        "Whether a partial launch of `items` items (of these planned lengths, one per chunk) x `num_kv_heads` "
+        "runs each item's KV heads together (csrc/core/planner.h).");
+  m.attr("HEADS_FIRST_LENGTH_RATIO") = fr::kHeadsFirstLengthRatio;
+  m.attr("HEADS_FIRST_PROGRAMS_PER_SM") = fr::kHeadsFirstProgramsPerSm;
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("COMMON_FIELDS") = py::cast(std::vector<std::string>(fr::kCommonFields.begin(), fr::kCommonFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;

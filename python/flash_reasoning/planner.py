@@ -84,7 +84,10 @@ class PlanArrays:
     ``specializations.COMMON_FIELDS``; no rows unless some packed program shares a range): the
     range [start, end) each packed program's lanes share at the start of their final ranges
     (the same pages), read once for all of them through row ``lead_row``'s table, the lanes'
-    ``final_start`` moved to its end (an empty range where start == end); ``early_final``: each
+    ``final_start`` moved to its end (an empty range where start == end); ``heads_first``, per
+    row tile: its partial launch's grid is (KV heads, items), so that each item's heads run
+    together, not (items, KV heads), where its items' planned lengths differ
+    (``heads_first_order`` in csrc/core/planner.h); ``early_final``: each
     partial launch
     lets the launch after it start at its programs' start, not after their walks. ``decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
@@ -111,6 +114,7 @@ class PlanArrays:
     separate_merge: bool
     final_lanes: int
     final_block_m: int
+    heads_first: dict[int, bool]
     early_final: bool
     decode: bool
     stats: dict = field(default_factory=dict)

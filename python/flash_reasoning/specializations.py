@@ -87,7 +87,7 @@ TREE_PARTIAL = Family(
     name="tree_partial",
     params=_TREE_PAGED + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
-    + (("early_final", "i32"),),
+    + (("early_final", "i32"), ("heads_first", "i32")),
     constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "CONTIGUOUS", "PDL"),
     waits_for_previous=True,  # a second partial launch overlaps the first (one per row tile)
 )

@@ -188,9 +188,10 @@ class TreeAttentionPlan:
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
         templates = [
             (self._partial_spec(dtype, block_m, tokens, records.shape[0] * kv_heads),
-             (records.shape[0], kv_heads, 1),
+             partial_grid(records.shape[0], kv_heads, self.arrays.heads_first[block_m]),
              paged + (self._order, items, self._entry_slot, self.partial_out,
-                      self.partial_lse) + scalars + (int(self.arrays.early_final),))
+                      self.partial_lse) + scalars
+             + (int(self.arrays.early_final), int(self.arrays.heads_first[block_m])))
             for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
                                                          self.launch_max_tokens)]
         if self.arrays.separate_merge:
@@ -320,6 +321,12 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     out = plan.run(q, layer, out)
     _plans[allocator] = ((q.shape[1], sm_scale), plan)  # only a plan that ran is kept
     return out
+
+
+def partial_grid(num_items: int, num_kv_heads: int, heads_first: bool) -> tuple[int, int, int]:
+    """``tree_partial``'s grid: (items, heads), or (heads, items) where each item's heads run
+    together (``PlanArrays.heads_first``; the kernel's ``item_and_head``)."""
+    return (num_kv_heads, num_items, 1) if heads_first else (num_items, num_kv_heads, 1)
 
 
 def _longest_item(records: np.ndarray) -> int:
