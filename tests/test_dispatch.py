@@ -211,6 +211,17 @@ def test_contiguous_partial_kernels_have_their_own_rules(arch, override):
     assert spec.key["CONTIGUOUS"] == 2 and spec.key["PAGE"] == 0
 
 
+@pytest.mark.parametrize("key, parsed", [
+    ("tree_final/float16/128", ("tree_final", "float16", 128, None, 0)),
+    ("tree_partial/bfloat16/64/16", ("tree_partial", "bfloat16", 64, 16, 0)),
+    ("tree_partial/float16/128/64/contiguous", ("tree_partial", "float16", 128, 64, 1)),
+    ("tree_partial/float16/256/16/two_runs", ("tree_partial", "float16", 256, 16, 2))])
+def test_rule_keys_parse_back(key, parsed):
+    assert dispatch.parse_rule_key(key) == parsed
+    kernel, dtype, head_dim, block_m, runs = parsed
+    assert dispatch.rule_key(kernel, dtype, head_dim, block_m, 0, runs) == key
+
+
 def test_a_table_list_of_the_contiguous_kernels_serves_them_alone(override):
     """A tuning table's ``.../two_runs`` list picks the two-run kernels' configs; the page
     kernels' and the one-run kernels' keep theirs."""

@@ -157,17 +157,6 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/64/contiguous") == []
 
 
-@pytest.mark.parametrize("key, parsed", [
-    ("tree_final/float16/128", ("tree_final", "float16", 128, None, 0)),
-    ("tree_partial/bfloat16/64/16", ("tree_partial", "bfloat16", 64, 16, 0)),
-    ("tree_partial/float16/128/64/contiguous", ("tree_partial", "float16", 128, 64, 1)),
-    ("tree_partial/float16/256/16/two_runs", ("tree_partial", "float16", 256, 16, 2))])
-def test_rule_keys_parse_back(key, parsed):
-    assert tune.parse_rule_key(key) == parsed
-    kernel, dtype, head_dim, block_m, runs = parsed
-    assert dispatch.rule_key(kernel, dtype, head_dim, block_m, 0, runs) == key
-
-
 def test_a_refit_replaces_the_measured_lists_and_keeps_the_rest():
     base = tuning_table.Table("sm90", {"a/float16/128": ((None, None, (64, 4, 2)),),
                                        "b/float16/128": ((None, None, (32, 2, 2)),)},
@@ -229,7 +218,7 @@ def test_a_short_tuning_run_writes_a_table_dispatch_accepts(tmp_path, monkeypatc
     dispatch.reset()
     try:  # dispatch reads the table, and every config it can pick names a compiled kernel
         for key, rule_list in table.rules.items():
-            kernel, dtype, head_dim, block_m, runs = tune.parse_rule_key(key)
+            kernel, dtype, head_dim, block_m, runs = dispatch.parse_rule_key(key)
             where = (kernel, dtype, head_dim, table.arch, block_m, runs)
             assert dispatch.rules(*where)[0] == rule_list
             assert dispatch.rules(*where)[1].startswith(tuning_table.ENV_VAR)

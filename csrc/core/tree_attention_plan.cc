@@ -206,9 +206,12 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
   auto device = [](CUdeviceptr p) { return pointer_arg(reinterpret_cast<void*>(p)); };
   Arg scale = Arg::Float(shape_.scale_log2()), qo = Arg::Int(shape_.num_qo_heads), kv = Arg::Int(shape_.num_kv_heads),
       page = Arg::Int(shape_.block_size), cols = Arg::Int(max_blocks_);
-  for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i)
-    st = ctx_.launch(partial_kernels_[i], plan_.items[i].heads_first ? shape_.num_kv_heads : plan_.items[i].count(),
-                     plan_.items[i].heads_first ? plan_.items[i].count() : shape_.num_kv_heads, 1,
+  for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i) {
+    const ItemList& items = plan_.items[i];
+    // (heads, items) where each item's heads run together (the kernel's item_and_head).
+    int64_t gx = items.heads_first ? shape_.num_kv_heads : items.count();
+    int64_t gy = items.heads_first ? items.count() : shape_.num_kv_heads;
+    st = ctx_.launch(partial_kernels_[i], gx, gy, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
                       {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
@@ -216,8 +219,9 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
                       {"early_final", Arg::Int(plan_.early_final)},
-                      {"heads_first", Arg::Int(plan_.items[i].heads_first)}},
+                      {"heads_first", Arg::Int(items.heads_first)}},
                      stream, i > 0);  // the second tile's launch overlaps the first's
+  }
   if (!st.ok()) return st;
   if (plan_.decode) {  // no partials: paged_decode's kernel over the plan's tables, unsplit
     PagedDecodeArgs decode;

@@ -159,6 +159,15 @@ def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
     return f"{key}/page{page}" if page else key
 
 
+def parse_rule_key(key: str) -> tuple[str, str, int, int | None, int]:
+    """(kernel, dtype, head_dim, block_m, contiguous) of a key :func:`rule_key` made for page
+    size 0 (a tuning table's): its inverse."""
+    kernel, dtype, head_dim, *rest = key.split("/")
+    runs = {suffix: r for r, suffix in CONTIGUOUS_RULE_SUFFIXES.items()}
+    contiguous = runs[rest.pop()] if rest and rest[-1] in runs else 0
+    return kernel, dtype, int(head_dim), int(rest[0]) if rest else None, contiguous
+
+
 def _check_contiguous(kernel: str, runs: int) -> None:
     if kernel not in CONTIGUOUS_KERNELS:
         raise ValueError(f"{kernel} has no contiguous kernels; those that do: "

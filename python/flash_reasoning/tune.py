@@ -124,19 +124,10 @@ def _winner(samples: list[Sample]) -> Config:
                key=lambda c: (statistics.fmean(ratios[c]), c))
 
 
-def parse_rule_key(key: str) -> tuple[str, str, int, int | None, int]:
-    """(kernel, dtype, head_dim, block_m, contiguous) of a tuned rule list's key
-    (``dispatch.rule_key`` of any page size)."""
-    kernel, dtype, head_dim, *rest = key.split("/")
-    runs = {suffix: r for r, suffix in dispatch.CONTIGUOUS_RULE_SUFFIXES.items()}
-    contiguous = runs[rest.pop()] if rest and rest[-1] in runs else 0
-    return kernel, dtype, int(head_dim), int(rest[0]) if rest else None, contiguous
-
-
 def compiled_configs(manifest: dict, key: str) -> list[Config]:
     """The (BLOCK_N, warps, stages) configs compiled for rule list ``key`` (a contiguous
     kernels' list, ``.../contiguous`` or ``.../two_runs``: theirs)."""
-    kernel, dtype, head_dim, block_m, contiguous = parse_rule_key(key)
+    kernel, dtype, head_dim, block_m, contiguous = dispatch.parse_rule_key(key)
     family, wanted = dispatch.RULE_LIST_SPECS[kernel]
     addressing = {"CONTIGUOUS": contiguous} if kernel in dispatch.CONTIGUOUS_KERNELS else {}
     wanted = {"BLOCK_M": block_m or dispatch.BLOCK_M, **wanted, **addressing,
