@@ -76,6 +76,8 @@ explore knobs "the planner's regret: each knob forced on every case"
 explore partial "the deep trees' partial launches: folds and configs"
 explore common "final programs that read their lanes' shared range once"
 explore grid_order "partial launches: each item's heads together, or each head's items"
+explore fused_final "one launch: 64-row final programs over their lanes' shared path"
+explore leaf_reads "the leaves read and nothing else: the final launch's bar"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1
