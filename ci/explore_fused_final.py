@@ -12,15 +12,16 @@ import sys
 from flash_reasoning import TreeAttentionPlan, bench, dispatch
 
 sys.path.insert(0, "ci")
-from explore_overlap import case_queries, poisoned_run, report, try_compile, variant  # noqa: E402
+from explore_overlap import (case_queries, jit_launch, poisoned_run, report,  # noqa: E402
+                             try_compile, variant)
 
 CASES = ("ft_1,1024/q32kv8", "ft_1,4,16,512/q32kv8", "ft_1,1024/q16kv1", "seed_b256/q32kv8",
          "ft_1,256/q32kv8", "ft_deep16/q32kv8")
 ROWS = 64
 CONFIGS = ((64, 4, 3), (64, 4, 2), (128, 4, 2))
 LANES_CALL = "        m_i, l_i, acc = attend_lanes(m_i, l_i, acc, qt, lane, k_pool, v_pool,\n"
-MODULES = {
-    "": variant("fused_shipped"),
+MODULES = {  # None: the shipped kernels
+    "": None,
     " shared walk alone": variant("fused_shared_only",
                                   (LANES_CALL, "        _cut = (m_i, l_i, acc, qt, lane, k_pool, "
                                                "v_pool,\n")),
@@ -38,14 +39,6 @@ def fused_plan(alloc, leaves, num_qo_heads):
         dispatch.FINAL_WIDE_BLOCK_M = wide
 
 
-def jit(module, launch, config, common=1):
-    block_n, warps, stages = config
-    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n, "BLOCK_M": ROWS,
-                  "COMMON": common}
-    kernel = module.tree_final[launch.grid]
-    return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
-
-
 def explore(name, case, runs=30):
     alloc, leaves, q = case_queries(case)
     heads = case["num_qo_heads"]
@@ -60,10 +53,10 @@ def explore(name, case, runs=30):
     for tag, module in MODULES.items():
         for config in CONFIGS:
             key = f"fused {'/'.join(map(str, config))}{tag}"
-            run = jit(module, launch, config)
+            run = jit_launch(launch, config, module, BLOCK_M=ROWS)
             if try_compile(key, run, info):
                 fns[key] = run
-    fns["fused 64/4/3 leaves alone"] = jit(MODULES[""], launch, CONFIGS[0], common=0)
+    fns["fused 64/4/3 leaves alone"] = jit_launch(launch, CONFIGS[0], BLOCK_M=ROWS, COMMON=0)
     times = bench.check_and_time(name, fns, lambda fn: poisoned_run([auto, fused], fn, out),
                                  runs)
     report(name, info, times)

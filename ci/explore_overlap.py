@@ -66,12 +66,15 @@ def time_plans(name, plans, q, runs):
                                 runs)
 
 
-def jit_launch(launch, config):
+def jit_launch(launch, config, module=None, **constexprs):
     """``launch`` through Triton's JIT at (BLOCK_N, warps, stages) ``config``: the explores'
-    config sweeps of one shipped launch (its items, addressing and grid unchanged)."""
+    config sweeps of one shipped launch (its items, addressing and grid unchanged), through the
+    shipped kernels or ``module``'s (a :func:`variant`), with ``constexprs`` overridden."""
     block_n, warps, stages = config
-    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n}
-    kernel = JIT_FUNCTIONS[launch.spec.family][launch.grid]
+    constexprs = {**dict(launch.spec.constexprs), "BLOCK_N": block_n, **constexprs}
+    kernels = JIT_FUNCTIONS[launch.spec.family] if module is None else \
+        getattr(module, launch.spec.family)
+    kernel = kernels[launch.grid]
     return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
 
 
