@@ -36,7 +36,9 @@ def wide_final(final, lanes, group, config):
     block_n, warps, stages = config
     args = list(final.args)
     args[PARAMS.index("lanes")] = lanes
-    grid = (math.ceil(args[PARAMS.index("num_rows")] / lanes), final.grid[1], 1)
+    tiles = final.grid[0] if args[PARAMS.index("heads_first")] else final.grid[1]
+    args[PARAMS.index("heads_first")] = 0
+    grid = (math.ceil(args[PARAMS.index("num_rows")] / lanes), tiles, 1)
     constexprs = {**dict(final.spec.constexprs), "BLOCK_M": lanes * group, "BLOCK_N": block_n}
     return lambda: JIT_FUNCTIONS["tree_final"][grid](
         *args, **constexprs, num_warps=warps, num_stages=stages, launch_pdl=True)

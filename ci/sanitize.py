@@ -2,7 +2,8 @@
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
 copies of copy-on-write, tree_partial (both tiles, closed and open items, paged and as one or
-two runs of slots), tree_final (one branch per program, packed, and packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
+two runs of slots), tree_final (one branch per program, packed, packed heads first over 4 KB token rows, and
+packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
 and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
@@ -138,6 +139,7 @@ class Checker:
         self.tiles: set[int] = set()  # tree_partial tiles (BLOCK_M) that ran
         self.runs: set[tuple[int, int]] = set()  # (tile, runs of slots) of contiguous ones
         self.orders: set[bool] = set()  # partial launches' heads_first, of the plans that ran
+        self.final_orders: set[bool] = set()  # final launches' heads_first, likewise
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
         self.decode_plans = 0  # plans with no partials: one paged_decode launch
         self.shared_plans = 0  # plans whose packed programs read a shared range once
@@ -176,6 +178,7 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
             check.decode_plans += 1
         elif not plan.arrays.separate_merge:
             check.lanes.add(plan.arrays.final_lanes)
+            check.final_orders.add(plan.arrays.final_heads_first)
         for layer in range(alloc.num_layers):
             out = plan.run(q, layer, torch.full_like(q, float("nan")))
             check(f"{name}: tree_attention layer {layer}, chunk {chunk}, separate merge "
@@ -201,7 +204,8 @@ def main() -> int:
     check = Checker()
     for dtype, kv_heads, head_dim, group in ((torch.float16, 8, 128, 4),
                                              (torch.bfloat16, 2, 64, 1),
-                                             (torch.float16, 2, 256, 8)):
+                                             (torch.float16, 2, 256, 8),
+                                             (torch.float16, 16, 128, 2)):  # 4 KB rows
         name = f"edges {str(dtype)[6:]} d{head_dim} kv{kv_heads} group {group}"
         check_tree(check, name, *edge_tree(dtype, kv_heads, head_dim), group, chunks=(None, 16),
                    merges=(False, True), lanes=(None, 16 // group, 32 // group))
@@ -214,7 +218,8 @@ def main() -> int:
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
           f"tiles run: {sorted(check.tiles)} (contiguous, as (tile, runs): "
           f"{sorted(check.runs)}; heads first: {sorted(check.orders)}); "
-          f"tree_final lanes run: {sorted(check.lanes)}; plans run as a paged decode: "
+          f"tree_final lanes run: {sorted(check.lanes)} (heads first: "
+          f"{sorted(check.final_orders)}); plans run as a paged decode: "
           f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}",
           flush=True)
     return 1 if check.failures else 0

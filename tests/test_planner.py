@@ -332,25 +332,45 @@ def test_final_starts_early_where_the_plan_has_a_final_kernel(name, early):
         assert again.early_final == (forced and bool(again.items))
 
 
-@pytest.mark.parametrize("name, ratio", [
-    ("seed_b256/q32kv8", 2),
-    ("seed_b256/q16kv1", 2),
-    ("seed_b16/q32kv8", 1),       # the shortest chunk (kMinChunkTokens) either way
-    ("ft_1,16,64/q32kv32", 1),    # 17 computed nodes
-    ("ft_1,4,16,512/q16kv1", 1),  # 16
+@pytest.mark.parametrize("name, chunk_tokens", [
+    # A lone root before a final launch, for one program per SM: 16 row tiles x 8 KV heads x
+    # 2048 tokens over 132 SMs.
+    ("seed_b256/q32kv8", 1986),
+    ("seed_b64/q32kv8", 497),     # 4 x 8 x 2048 / 132: its 17 MB of leaves do not outweigh it
+    ("seed_b64/q32kv32", 993),    # 1 x 32 x 2048 / 66: its 67 MB of leaves do
+    ("ft_1,16,64/q32kv32", 621),  # 17 computed nodes: two programs per SM
+    # Merged separately with a computed root: every range's chunks, one program per SM
+    # ((8 x 4000 + 10 leaves x 8 x 400) / 132).
+    ("ft_1,10/q32kv8", 485),
+    ("seed_b1/q32kv8", 128),      # unshared: two per SM, down to kMinSeparateChunkTokens
 ])
-def test_a_lone_root_before_a_final_launch_takes_one_program_per_sm(name, ratio):
-    """A lone computed node under a final kernel is cut for kLoneRootWaves (1) program per SM,
-    which leaves room for final programs beside it; merged separately (no final launch), or
-    among other computed nodes, for kWaves (2): its chunks ``ratio`` times as long."""
+def test_chunks_aim_for_programs_per_sm_by_what_runs_beside_them(name, chunk_tokens):
+    """The chunk length spreads the partial launch's work over ``partial_programs()``: a lone
+    computed node before a final launch one program per SM (room for final programs beside
+    it), or one per two SMs where its leaves outweigh it (``leaves_outweigh_root``); a separate
+    merge with computed nodes every range at one per SM; anything else two per SM."""
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu", random=False)
-    heads = case["num_qo_heads"]
-    final = plan_for(alloc, leaves, heads, separate_merge=False)[1]
-    separate = plan_for(alloc, leaves, heads, separate_merge=True)[1]
-    assert abs(final.stats["chunk_tokens"] - ratio * separate.stats["chunk_tokens"]) <= 1
-    if ratio == 2:
-        assert sum(final.stats["partial_programs"].values()) <= H100["num_sms"]
+    arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
+    assert arrays.stats["chunk_tokens"] == chunk_tokens
+
+
+def test_a_lone_root_outweighed_by_its_leaves_leaves_whole_sms_to_them():
+    """``leaves_outweigh_root``: the leaves' HBM time against the root's estimated time (its
+    programs' KV tiles, 2.4 us each in the wide tile, or its own bytes)."""
+    from flash_reasoning import _launcher
+    root = dict(root_tokens=2048, root_tiles=8, root_programs=128, wide_tile=True,
+                num_kv_heads=32, head_dim=128, **H100)  # 16 KB of K and V a token
+    # seed_b64/q32kv32's 64 leaves of 64 tokens: 22.4 us of HBM against 8 x 2.4 = 19.2 us.
+    assert _launcher.leaves_outweigh_root(**root, leaf_tokens=64 * 64)
+    assert not _launcher.leaves_outweigh_root(**root, leaf_tokens=16 * 64)
+    # A root read at the narrow tile is bound by its own 33.5 MB (11.2 us), not its tiles.
+    narrow = {**root, "wide_tile": False}
+    assert not _launcher.leaves_outweigh_root(**narrow, leaf_tokens=32 * 64)
+    assert _launcher.leaves_outweigh_root(**narrow, leaf_tokens=36 * 64)
+    # Two waves of root programs double its tiles' time.
+    assert not _launcher.leaves_outweigh_root(**{**root, "root_programs": 300},
+                                              leaf_tokens=64 * 64)
 
 
 def test_lanes_do_not_apply_to_separate_merges():
@@ -431,6 +451,37 @@ def test_plans_order_their_launches_by_item_lengths():
         alloc, leaves = case_allocator(case, device="cpu")
         tree, arrays = plan_for(alloc, leaves, 32)
         assert arrays.heads_first == expected, name
+
+
+@pytest.mark.parametrize("lanes, common, programs, row_bytes, heads_first", [
+    (4, False, 256, 8192, True), (8, False, 32, 4096, True), (4, False, 256, 2048, False),
+    (1, False, 64, 8192, False), (8, True, 128, 8192, False), (2, False, 65535, 8192, True),
+    (2, False, 65536, 8192, False)])
+def test_packed_final_launches_run_each_programs_heads_together(lanes, common, programs,
+                                                                row_bytes, heads_first):
+    """``final_heads_first``: packed final launches without shared ranges, over token rows of
+    at least 4 KB (a token's K across the KV heads), of no more programs than a grid's second
+    dimension holds."""
+    from flash_reasoning import _launcher
+    assert _launcher.final_heads_first(lanes, common, programs, row_bytes) == heads_first
+
+
+def test_plans_order_their_final_launches():
+    """The leaf-heavy cases' packed final launches over 8 KB token rows (32 KV heads) run each
+    program's heads together; over 2 KB rows (8 KV heads) they do not, nor do the deep tree's
+    shared-range programs or one-branch programs; a plan that merges separately has no final
+    launch to order."""
+    for name, expected in (("ft_1,1024/q32kv32", True), ("seed_b256/q32kv32", True),
+                           ("ft_1,1024/q32kv8", False), ("ft_deep16/q32kv32", True),
+                           ("ft_deep16/q32kv8", False), ("ft_1,16,64/q32kv8", False),
+                           ("ft_1,10/q32kv8", False)):
+        case = next(c for c in load_cases()["cases"] if c["name"] == name)
+        alloc, leaves = case_allocator(case, device="cpu", random=False)
+        tree, arrays = plan_for(alloc, leaves, 32)
+        packed = arrays.final_lanes > 1 and not arrays.separate_merge and not arrays.decode
+        wide_rows = alloc.num_kv_heads * alloc.head_dim * 2 >= 4096
+        assert arrays.final_heads_first == expected == (packed and not arrays.has_common
+                                                        and wide_rows), name
 
 
 def test_item_fields_match_the_core():
@@ -586,7 +637,7 @@ def test_item_runs_need_closed_shared_ranges_broken_once_at_most(records, runs, 
         final_start=np.array([32, 16, 40], np.int32), merge_ptr=None, entry_slot=None,
         common=np.zeros((0, 3), np.int32), num_entries=0, work=work, work_offsets=None,
         separate_merge=False, final_lanes=1, final_block_m=16, heads_first={64: False},
-        early_final=False, decode=False)
+        final_heads_first=False, early_final=False, decode=False)
     assert planner.item_runs(arrays, mirror, rows, 8) == {64: runs}
     split = TREE_ITEM_FIELDS.index("run_split")
     written = np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))

@@ -12,7 +12,7 @@ from flash_reasoning import _launcher, runtime
 from flash_reasoning._launcher import LauncherError
 from flash_reasoning.bench import case_allocator, load_cases
 from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
-from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
+from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
 from flash_reasoning.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
                                        random_kv)
 from flash_reasoning.tree import build_branches, from_levels
@@ -109,12 +109,12 @@ def test_one_tile_plan_interpreted():
 
 
 def shared_root(device, scattered=False, root_tokens=200, leaves=6, leaf_tokens=5,
-                block_size=8, piece_blocks=3):
+                block_size=8, piece_blocks=3, num_kv_heads=2, head_dim=64):
     """A root of ``root_tokens`` under ``leaves`` leaves of ``leaf_tokens`` each, in a fresh
     pool: the root's pages are consecutive, or (``scattered``) interleaved with another
     branch's, written ``piece_blocks`` blocks at a time."""
-    alloc = PhysicalKVAllocator(2 * (root_tokens // block_size) + leaves * 4 + 8, block_size, 2,
-                                64, device=device)
+    alloc = PhysicalKVAllocator(2 * (root_tokens // block_size) + leaves * 4 + 8, block_size,
+                                num_kv_heads, head_dim, device=device)
     gen = torch.Generator().manual_seed(root_tokens + scattered)
     root = alloc.alloc_branch(0).branch_id
     other = alloc.alloc_branch(0).branch_id
@@ -210,6 +210,31 @@ def test_partial_launch_orders_interpreted(root_tokens, heads_first):
     items, heads = records.shape[0], alloc.num_kv_heads
     assert launch.grid == ((heads, items, 1) if heads_first else (items, heads, 1))
     assert launch.args[[n for n, _ in TREE_PARTIAL.params].index("heads_first")] == heads_first
+
+
+@interpreter
+@pytest.mark.parametrize("final_lanes, kv_heads, head_dim, heads_first", [
+    (1, 8, 256, False),   # one-branch programs
+    (4, 2, 64, False),    # token rows of 256 bytes: below the planner's 4 KB
+    (2, 8, 256, True)])   # rows of 4 KB
+def test_final_launch_orders_interpreted(final_lanes, kv_heads, head_dim, heads_first):
+    """Packed final programs over wide token rows run each program's KV heads together, on a
+    grid of (head tiles, programs); other final launches each head's programs, on (programs,
+    head tiles): either order covers every (program, head) pair once and matches the reference
+    (more programs than KV heads, so a grid read the wrong way round fails)."""
+    alloc, ids = shared_root("cpu", root_tokens=200, leaves=20, num_kv_heads=kv_heads,
+                             head_dim=head_dim)
+    q = queries(alloc, ids, 2 * kv_heads)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False, separate_merge=False,
+                          final_lanes=final_lanes)
+    check(out, q, alloc, ids)
+    final = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)[-1]
+    assert final.spec.family == "tree_final" and not plan.arrays.has_common
+    assert plan.arrays.final_heads_first == heads_first
+    programs, tiles = -(-len(ids) // final_lanes), alloc.num_kv_heads
+    assert programs > tiles
+    assert final.grid == ((tiles, programs, 1) if heads_first else (programs, tiles, 1))
+    assert final.args[[n for n, _ in TREE_FINAL.params].index("heads_first")] == heads_first
 
 
 @interpreter
@@ -549,7 +574,8 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
 @gpu
 @pytest.mark.parametrize("name", ["seed_b256/q32kv8", "seed_b1/q16kv1", "ft_deep16/q32kv32",
                                   "ft_1,4,16,512/q32kv8", "long_1,4/q32kv8",
-                                  "flat_64x2048/q16kv1", "flat_64x2048/q32kv8"])
+                                  "flat_64x2048/q16kv1", "flat_64x2048/q32kv8",
+                                  "seed_b64/q32kv32", "ft_1,10/q32kv8"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gpu_cases(name, dtype):
     case = dict(next(c for c in load_cases()["cases"] if c["name"] == name), dtype=dtype)

@@ -13,7 +13,8 @@ every item of the launch in that many runs of consecutive pages at most
 (``planner.item_runs``), so each range is read as runs of slots from their first pages, the
 second from the item's ``run_split`` (``attention_core.attend_runs``).
 
-``tree_final`` runs one program per (branch, query-head tile): attention over the branch's
+``tree_final`` runs one program per (branch, query-head tile), its grid (branches, tiles) or,
+packed with ``heads_first``, (tiles, branches): attention over the branch's
 final range ``[final_start, seq_len)``, then the log-sum-exp merge with the branch's partial
 slots ``[merge_ptr[b], merge_ptr[b + 1])`` (addressed directly, no index load in the
 chain), then the output. The final range's end is read on the device, so a plan
@@ -66,8 +67,9 @@ COMMON_END = tl.constexpr(_COMMON_FIELDS.index("end"))
 
 @triton.jit
 def item_and_head(heads_first):
-    """This program's (item, KV head): the grid is (items, heads), or with ``heads_first``
-    (heads, items), so that an item's heads run one after another."""
+    """This program's (item, KV head), or a final program's (branches, head tile): the grid is
+    (items, heads), or with ``heads_first`` (heads, items), so that an item's heads run one after
+    another."""
     first = heads_first != 0
     return (tl.where(first, tl.program_id(1), tl.program_id(0)),
             tl.where(first, tl.program_id(0), tl.program_id(1)))
@@ -130,18 +132,19 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
 @triton.jit
 def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, merge_ptr, common,
                partial_out, partial_lse, out, sm_scale_log2, num_qo_heads, num_kv_heads,
-               page_size, max_blocks, num_rows, lanes,
+               page_size, max_blocks, num_rows, lanes, heads_first,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                PACKED: tl.constexpr, COMMON: tl.constexpr, PAGE: tl.constexpr,
                PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
     d = tl.arange(0, HEAD_DIM)
-    if PACKED:
-        lane, head, row_ok = lane_rows(tl.program_id(1), num_qo_heads, num_kv_heads, lanes,
-                                       BLOCK_M)
-        kv_head = tl.program_id(1)
-        first = tl.program_id(0) * lanes
+    if PACKED:  # only packed launches run heads first: the one-branch kernel's program ids stay
+        # constant, since a run-time select there cost up to 13% (docs/perf.md session 28)
+        program, tile = item_and_head(heads_first)
+        lane, head, row_ok = lane_rows(tile, num_qo_heads, num_kv_heads, lanes, BLOCK_M)
+        kv_head = tile
+        first = program * lanes
         row_ok = row_ok & (first + lane < num_rows)
         seq = tl.load(order + first + lane, mask=row_ok, other=0)
     else:
@@ -155,7 +158,7 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
         tok_ok = (tok_lane < lanes) & (first + tok_lane < num_rows)
         tok_seq = tl.load(order + first + tok_lane, mask=tok_ok, other=0)
         if COMMON:  # the range every lane shares, once for all rows
-            shared = common + tl.program_id(0) * COMMON_FIELDS
+            shared = common + program * COMMON_FIELDS
             lead = tl.load(shared + COMMON_LEAD)
             m_i, l_i, acc = attend(qt, k_pool, v_pool,
                                    block_tables + lead.to(tl.int64) * max_blocks,

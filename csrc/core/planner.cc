@@ -20,16 +20,13 @@ int64_t tile_rows(int64_t flat_rows, const PlanShape& shape) {
   return flat_rows <= shape.block_ms[0] ? shape.block_ms[0] : shape.block_ms[1];
 }
 
-// Tokens per program that spread the partial launch over `waves` programs per SM. With computed
-// nodes, their work alone: the final kernel runs after them, so they must fill the GPU by
-// themselves (H200, seed_b256: the root in two chunks 81.7 us, whole 90.9). Without, all the
-// ranges' work (their chunks are the partial launch).
-int64_t chunk_tokens(const std::vector<int64_t>& programs, const std::vector<int64_t>& lengths,
-                     int64_t num_computed, const PlanShape& shape, int64_t min_tokens, int64_t waves) {
-  size_t counted = num_computed ? size_t(num_computed) : programs.size();
+// Tokens per program that spread the work of the first `counted` ranges (computed nodes come
+// first) over `target_programs` programs.
+int64_t chunk_tokens(const std::vector<int64_t>& programs, const std::vector<int64_t>& lengths, size_t counted,
+                     int64_t target_programs, int64_t min_tokens) {
   int64_t work = 0;
   for (size_t r = 0; r < counted; ++r) work += programs[r] * lengths[r];
-  return std::max(min_tokens, ceil_div(work, waves * shape.num_sms));
+  return std::max(min_tokens, ceil_div(work, std::max<int64_t>(1, target_programs)));
 }
 
 // Each range's chunk length and number of pieces at `target` tokens per chunk.
@@ -267,6 +264,10 @@ bool heads_first_order(const std::vector<int64_t>& planned_lengths, int64_t item
   return *longest >= kHeadsFirstLengthRatio * std::max<int64_t>(*shortest, 1);
 }
 
+bool final_heads_first(int64_t final_lanes, bool has_common, int64_t final_programs, int64_t kv_row_bytes) {
+  return final_lanes > 1 && !has_common && final_programs <= kMaxGridY && kv_row_bytes >= kHeadsFirstRowBytes;
+}
+
 int64_t chunk_length(int64_t length, int64_t target) {
   int64_t pieces = std::max<int64_t>(1, round_half_even(double(length) / double(target)));
   int64_t per_piece = ceil_div(length, pieces);
@@ -296,8 +297,20 @@ bool runs_as_decode(bool separate_merge, int64_t num_entries, bool lanes_forced)
   return !separate_merge && num_entries == 0 && !lanes_forced;
 }
 
-int64_t partial_waves(int64_t num_computed, bool separate_merge) {
-  return num_computed == 1 && !separate_merge ? kLoneRootWaves : kWaves;
+int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_outweigh, const PlanShape& shape) {
+  if (separate_merge) return (num_computed ? kSeparateMergeWaves : kWaves) * shape.num_sms;
+  if (num_computed != 1) return kWaves * shape.num_sms;
+  return leaves_outweigh ? std::max<int64_t>(1, shape.num_sms / kOutweighedRootSmsPerProgram)
+                         : kLoneRootWaves * shape.num_sms;
+}
+
+bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile,
+                          int64_t leaf_tokens, const PlanShape& shape) {
+  double bytes_per_token = double(shape.kv_bytes_per_token());
+  int64_t waves = ceil_div(root_programs, kWaves * shape.num_sms);
+  double root_us = std::max(double(root_tiles * waves) * kStepUs * (wide_tile ? kWideStepFactor : 1.0),
+                            double(root_tokens) * bytes_per_token / kBytesPerUs);
+  return double(leaf_tokens) * bytes_per_token / kBytesPerUs > root_us;
 }
 
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
@@ -370,7 +383,7 @@ namespace {
 // Whether the plan's partial launch is a lone root of at most one program per SM: final programs
 // started early share its SMs (kPackedFinalsBesideRoot).
 bool lone_root_beside(const Plan& plan, int64_t num_computed, const PlanShape& shape) {
-  if (partial_waves(num_computed, plan.separate_merge) != kLoneRootWaves) return false;
+  if (num_computed != 1 || plan.separate_merge) return false;
   int64_t programs = 0;
   for (const ItemList& list : plan.items)
     programs += list.count() * shape.num_kv_heads;
@@ -425,6 +438,28 @@ void shared_final_prefixes(const SegmentTree& t, Plan* p) {
   if (!shared) p->common.clear();
 }
 
+// The chunk length once the merge mode is known: for partial_programs() programs, over the
+// computed nodes' work (before a final launch) or every range's (merged separately: all of them
+// are the one partial launch). Unshared branches merged separately pay down to the shorter
+// kMinSeparateChunkTokens: their chunks are all the work, and cheap to merge.
+int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& programs,
+                                const std::vector<int64_t>& length, const std::vector<int64_t>& block_m,
+                                bool separate_merge, const PlanShape& shape) {
+  size_t counted = separate_merge || !r.num_computed ? length.size() : size_t(r.num_computed);
+  int64_t min_tokens = separate_merge && !r.num_computed ? kMinSeparateChunkTokens : kMinChunkTokens;
+  bool outweighed = false;
+  if (r.num_computed == 1 && !separate_merge) {  // a lone root: do its leaves outweigh it?
+    int64_t tokens = chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms, min_tokens);
+    int64_t pieces = std::max<int64_t>(1, ceil_div(length[0], chunk_length(length[0], tokens)));
+    int64_t leaf_tokens = 0;
+    for (size_t k = 1; k < length.size(); ++k) leaf_tokens += length[k];
+    outweighed = leaves_outweigh_root(length[0], ceil_div(chunk_length(length[0], tokens), kChunkAlign),
+                                      pieces * programs[0], block_m[0] > shape.block_ms[0], leaf_tokens, shape);
+  }
+  return chunk_tokens(programs, length, counted, partial_programs(r.num_computed, separate_merge, outweighed, shape),
+                      min_tokens);
+}
+
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
 // own row tile, or every range in the wide one (`one_tile`).
 Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,
@@ -441,9 +476,14 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
     programs[k] = ceil_div(r.rows[k] * shape.group(), block_m[k]) * shape.num_kv_heads;
   }
   Plan p;
-  p.chunk_tokens = options.target_chunk
-                      ? options.target_chunk
-                      : chunk_tokens(programs, length, r.num_computed, shape, kMinChunkTokens, kWaves);
+  // Before the merge mode is known: kWaves per SM over the computed nodes' work, or over every
+  // range's where nothing is computed (their chunks are the partial launch). With computed
+  // nodes, their work alone: the final kernel runs after them, so they must fill the GPU by
+  // themselves (H200, seed_b256: the root in two chunks 81.7 us, whole 90.9).
+  size_t computed_work = r.num_computed ? size_t(r.num_computed) : num_ranges;
+  p.chunk_tokens = options.target_chunk ? options.target_chunk
+                                        : chunk_tokens(programs, length, computed_work, kWaves * shape.num_sms,
+                                                       kMinChunkTokens);
   p.computed_nodes = r.num_computed;
   std::vector<int64_t> step, pieces;
   cut_ranges(length, p.chunk_tokens, &step, &pieces);
@@ -452,11 +492,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
                                                                     separate_merge_adds_launch(r, block_m, pieces),
                                                                     tree.num_rows() * shape.final_tiles(), shape.num_sms);
   if (!options.target_chunk) {  // the chunk length the merge mode asks for, now it is known
-    // Unshared branches merged separately: their chunks are all the work, and cheap to merge.
-    bool unshared = p.separate_merge && !r.num_computed;
-    int64_t tokens = chunk_tokens(programs, length, r.num_computed, shape,
-                                  unshared ? kMinSeparateChunkTokens : kMinChunkTokens,
-                                  partial_waves(r.num_computed, p.separate_merge));
+    int64_t tokens = merge_mode_chunk_tokens(r, programs, length, block_m, p.separate_merge, shape);
     if (tokens != p.chunk_tokens) {
       p.chunk_tokens = tokens;
       cut_ranges(length, p.chunk_tokens, &step, &pieces);
@@ -493,6 +529,9 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   if (!p.separate_merge && !p.decode)
     p.final_lanes = options.final_lanes ? options.final_lanes : planned_lanes(p, tree, shape, r.num_computed);
   shared_final_prefixes(tree, &p);
+  p.final_heads_first = !p.separate_merge && !p.decode &&
+                        final_heads_first(p.final_lanes, p.has_common(), ceil_div(tree.num_rows(), p.final_lanes),
+                                          shape.token_row_bytes());
   p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
                                                                 : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);

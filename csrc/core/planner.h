@@ -50,13 +50,24 @@ constexpr double kRereadWeight = 0.5;
 // 2112-token branch: 17.5 us in 256-token chunks, 15.4 in 128; docs/perf.md session 9).
 constexpr int64_t kMinChunkTokens = 256;
 constexpr int64_t kMinSeparateChunkTokens = 128;
-// Programs per SM the chunking aims for: kWaves, but kLoneRootWaves for a lone computed node
-// before a final launch (partial_waves()). Two root programs (64 rows, ~26K registers and
+// Programs per SM the chunking aims for (partial_programs()): kWaves, but kLoneRootWaves for a
+// lone computed node before a final launch. Two root programs (64 rows, ~26K registers and
 // 112 KB of shared memory each) fill an SM; one leaves room for two final programs, which the
 // early start lets walk the leaves beside it (H100, docs/perf.md session 20: seed_b64/q32kv8
 // 31.2 -> 23.9 us, seed_b256/q32kv32 128.4 -> 118.7; trees of several computed nodes lose).
 constexpr int64_t kWaves = 2;
 constexpr int64_t kLoneRootWaves = 1;
+// ... and a lone root whose leaves outweigh it (leaves_outweigh_root()) one program per this many
+// SMs: whole SMs are left to the final programs, which walk the leaves while the root computes
+// (H100, docs/perf.md session 29: seed_b64/q32kv32, 67 MB of leaves under a 2048-token root,
+// 48.5 -> 44.5 us in 64 root programs, not 128).
+constexpr int64_t kOutweighedRootSmsPerProgram = 2;
+// A plan that merges separately with computed nodes runs every range's chunks in its one
+// partial launch, with nothing beside it: it cuts them all for this many programs per SM,
+// fewer and longer than kWaves, with fewer partials to merge (H100, docs/perf.md session 29:
+// ft_1,10/q32kv8, a 4000-token root over 10 leaves of 400, 29.2 -> 26.1 us in 144 programs,
+// not 288).
+constexpr int64_t kSeparateMergeWaves = 1;
 // Chunk boundaries fall on multiples of the kernels' KV tile.
 constexpr int64_t kChunkAlign = 64;
 // Serial steps (KV tiles of kChunkAlign tokens + partials) of a final-kernel program from which
@@ -172,7 +183,9 @@ struct PlanShape {
   }
   // Final-kernel programs per branch (per lane when packed): the group's narrow tiles.
   int64_t final_tiles() const { return num_kv_heads * ceil_div(group(), block_ms[0]); }
-  int64_t kv_bytes_per_token() const { return 2 * num_kv_heads * head_dim * dtype_bytes; }
+  // One token's K (or V) across the KV heads: a row of the pool.
+  int64_t token_row_bytes() const { return num_kv_heads * head_dim * dtype_bytes; }
+  int64_t kv_bytes_per_token() const { return 2 * token_row_bytes(); }
   // One branch's fp32 partial (output and LSE of every head), written then read.
   int64_t partial_bytes_per_row() const { return 2 * num_qo_heads * (head_dim + 1) * 4; }
 };
@@ -228,6 +241,9 @@ struct Plan {
   // walks (the tree_partial argument early_final): the final (or merge) launch, and on sm90 a
   // two-tile plan's second partial launch, which starts beside the first.
   bool early_final = false;
+  // The final launch's grid is (head tiles, programs), each program's KV heads together, not
+  // (programs, head tiles): final_heads_first().
+  bool final_heads_first = false;
   double estimated_us = 0;  // estimated_us() of this plan
 
   // Whether some final program reads a shared range (the final launch takes the COMMON kernel).
@@ -280,13 +296,33 @@ constexpr int64_t kHeadsFirstProgramsPerSm = 4;
 // A CUDA grid's second dimension: a heads-first launch's items at most.
 constexpr int64_t kMaxGridY = 65535;
 
+// A packed final launch (several branches a program) without shared ranges, over token rows of
+// at least kHeadsFirstRowBytes (a token's K across the KV heads), runs each program's KV heads
+// together: its heads' programs read the same token rows side by side, where each head's
+// programs together walk every branch once per head. Shared ranges (COMMON) read the other way
+// round lose, and rows of 2 KB gain nothing. H100 (docs/perf.md sessions 28-29; the bench, built
+// both ways on one machine): 8 KB rows (32 KV heads x 128 x fp16) 1-2% faster on every such plan
+// of the cases file (ft_1,1024/q32kv32 292.2 -> 285.9 us, ft_1,256/q32kv32 62.1 -> 60.8); 2 KB
+// rows from -1.5% (ft_1,1024/q32kv8) to +1.3% (ft_1,4,16,512/q32kv8).
+constexpr int64_t kHeadsFirstRowBytes = 4096;
+bool final_heads_first(int64_t final_lanes, bool has_common, int64_t final_programs, int64_t kv_row_bytes);
+
 // The cost model, small pure functions.
 bool heads_first_order(const std::vector<int64_t>& planned_lengths, int64_t items, int64_t num_kv_heads,
                        int64_t num_sms);
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
-int64_t partial_waves(int64_t num_computed, bool separate_merge);
+// Programs the partial launch's chunks aim for: kWaves per SM; kLoneRootWaves for a lone computed
+// node before a final launch, or one per kOutweighedRootSmsPerProgram SMs where
+// `leaves_outweigh` (leaves_outweigh_root()); kSeparateMergeWaves merged separately with computed
+// nodes.
+int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_outweigh, const PlanShape& shape);
+// Whether a lone root's leaves (`leaf_tokens`, their final ranges) take longer to read from HBM
+// than the root takes by estimated_us()'s terms: its programs' `root_tiles` KV tiles each (their
+// waves, the wide tile's factor) or its own bytes, cut for kLoneRootWaves.
+bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile,
+                          int64_t leaf_tokens, const PlanShape& shape);
 // `final_programs`: the final launch's programs at one lane (rows x PlanShape::final_tiles()).
 bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t final_programs, int64_t num_sms);
 // Branches per final-kernel program; `beside_root`: the plan's partial launch is a lone root of

@@ -238,14 +238,17 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                        {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
                         {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
                        stream, after_partials);
-  return ctx_.launch(last_kernel_, final_programs(), plan_shape_.final_tiles(), 1,
+  bool heads_first = plan_.final_heads_first;
+  return ctx_.launch(last_kernel_, heads_first ? plan_shape_.final_tiles() : final_programs(),
+                     heads_first ? final_programs() : plan_shape_.final_tiles(), 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
                       {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)}, {"common", work(kCommon)},
                       {"partial_out", device(d_partial_out_)}, {"partial_lse", device(d_partial_lse_)},
                       {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
-                      {"num_rows", Arg::Int(num_branches())}, {"lanes", Arg::Int(plan_.final_lanes)}},
+                      {"num_rows", Arg::Int(num_branches())}, {"lanes", Arg::Int(plan_.final_lanes)},
+                      {"heads_first", Arg::Int(heads_first)}},
                      stream, after_partials);
 }
 

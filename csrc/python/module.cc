@@ -263,6 +263,7 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["final_block_m"] = shape.final_block_m(p.final_lanes);
   d["decode"] = p.decode;
   d["early_final"] = p.early_final;
+  d["final_heads_first"] = p.final_heads_first;
   d["estimated_us"] = p.estimated_us;
   // Views of `work`: item_runs() writes the run splits where they are uploaded from.
   py::dict items;
@@ -364,6 +365,25 @@ PYBIND11_MODULE(_launcher, m) {
         py::arg("num_kv_heads"), py::arg("num_sms"),
         "Whether a partial launch of `items` items (of these planned lengths, one per chunk) x `num_kv_heads` "
         "runs each item's KV heads together (csrc/core/planner.h).");
+  m.def("final_heads_first", &fr::final_heads_first, py::arg("final_lanes"), py::arg("has_common"),
+        py::arg("final_programs"), py::arg("kv_row_bytes"),
+        "Whether a final launch of `final_programs` programs of `final_lanes` branches (reading shared ranges "
+        "or not) over token rows of `kv_row_bytes` (a token's K across the KV heads) runs each program's KV "
+        "heads together (csrc/core/planner.h).");
+  m.def(
+      "leaves_outweigh_root",
+      [](int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile, int64_t leaf_tokens,
+         int64_t num_kv_heads, int64_t head_dim, int64_t dtype_bytes, int64_t num_sms) {
+        fr::PlanShape shape;
+        shape.num_kv_heads = num_kv_heads, shape.head_dim = head_dim, shape.dtype_bytes = dtype_bytes;
+        shape.num_sms = num_sms;
+        return fr::leaves_outweigh_root(root_tokens, root_tiles, root_programs, wide_tile, leaf_tokens, shape);
+      },
+      py::arg("root_tokens"), py::arg("root_tiles"), py::arg("root_programs"), py::arg("wide_tile"),
+      py::arg("leaf_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype_bytes"),
+      py::arg("num_sms"),
+      "Whether a lone root's leaves take longer to read than the root takes, by the cost model's terms "
+      "(csrc/core/planner.h).");
   m.attr("HEADS_FIRST_LENGTH_RATIO") = fr::kHeadsFirstLengthRatio;
   m.attr("HEADS_FIRST_PROGRAMS_PER_SM") = fr::kHeadsFirstProgramsPerSm;
   m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));

@@ -87,8 +87,10 @@ class PlanArrays:
     ``final_start`` moved to its end (an empty range where start == end); ``heads_first``, per
     row tile: its partial launch's grid is (KV heads, items), so that each item's heads run
     together, not (items, KV heads), where its items' planned lengths differ
-    (``heads_first_order`` in csrc/core/planner.h); ``early_final``: each partial launch lets
-    the launch after it start at its programs' start, not after their walks. ``decode``:
+    (``heads_first_order`` in csrc/core/planner.h); ``final_heads_first``: the final launch's
+    grid is (head tiles, programs), each program's KV heads together (``final_heads_first``
+    there); ``early_final``: each partial launch lets the launch after it start at its
+    programs' start, not after their walks. ``decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
     tables (``runs_as_decode`` in csrc/core/planner.h says why). ``work``
@@ -114,6 +116,7 @@ class PlanArrays:
     final_lanes: int
     final_block_m: int
     heads_first: dict[int, bool]
+    final_heads_first: bool
     early_final: bool
     decode: bool
     stats: dict = field(default_factory=dict)

@@ -213,13 +213,14 @@ class TreeAttentionPlan:
         common = self.arrays.has_common
         final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide, common), dtype,
                                     final_tokens, math.prod(grid))
+        heads_first = self.arrays.final_heads_first
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
                                                    lanes > 1, self.allocator.block_size, wide,
                                                    common),
-                          grid,
+                          (grid[1], grid[0], 1) if heads_first else grid,
                           paged + (self._order, self._final_start, self._merge_ptr,
                                    self._common, self.partial_out, self.partial_lse, "out")
-                          + scalars + (self.num_branches, lanes)))
+                          + scalars + (self.num_branches, lanes, int(heads_first))))
         return templates
 
     def _partial_spec(self, dtype: str, block_m: int, max_tokens: int, programs: int):
