@@ -93,8 +93,9 @@ constexpr double kLaunchUs = 5.0;
 constexpr double kStepUs = 1.2;
 constexpr double kWideStepFactor = 2.0;  // a 64-row tile's step (4x a 16-row tile's MMA work)
 constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
-// Final-kernel programs resident per SM (ncu: 6 by registers and shared memory); a partial
-// launch's waves count kWaves programs per SM.
+// Final-kernel programs resident per SM (ncu: 6 of the one-branch kernel by registers and
+// shared memory; the packed kernel's 240 registers fit 4, docs/perf.md session 29, which the
+// model does not tell apart); a partial launch's waves count kWaves programs per SM.
 constexpr int64_t kFinalProgramsPerSm = 6;
 // Partial slots the merge kernel folds per step (dispatch.MERGE_BLOCK_S; a test checks).
 constexpr int64_t kMergeSlotsPerStep = 16;
