@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from flash_reasoning import TreeAttentionPlan, bench, planner, runtime, timing
-from flash_reasoning.ops.tree_attention import partial_grid
+from flash_reasoning.ops.tree_attention import ordered_grid
 from flash_reasoning.runtime import Launch
 from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
 
@@ -100,7 +100,7 @@ def with_items(launch, records, index, device):
     args[ITEMS] = items
     heads_first = args[HEADS_FIRST]
     heads = launch.grid[0] if heads_first else launch.grid[1]
-    return Launch(launch.spec, partial_grid(len(index), heads, heads_first), tuple(args))
+    return Launch(launch.spec, ordered_grid(len(index), heads, heads_first), tuple(args))
 
 
 def subsets(name, case, runs=30):

@@ -684,10 +684,22 @@ def test_plan_kernel_name_rejects(api, host_context):
     api.lib.frPlanDestroy(plan)
 
 
+def test_wide_token_rows_order_the_packed_final_launch():
+    """What the GPU test below relies on (H100, 132 SMs): at head_dim 256 (4 KB token rows over
+    8 KV heads) the packed trees' final launches run each program's heads together, at 128 not."""
+    from flash_reasoning import TreeAttentionPlan
+    for make_tree in (packed_tree, wide_packed_tree):
+        for head_dim, heads_first in ((256, True), (128, False)):
+            alloc, ids = make_tree(torch.float16, head_dim, device="cpu")
+            arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
+            assert arrays.final_heads_first == heads_first, (make_tree.__name__, head_dim)
+
+
 @gpu
 @pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree,
                                        wide_packed_tree, unshared_tree, deep_tree, folded_tree])
-@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64)])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64),
+                                             (torch.float16, 256)])  # 256: 4 KB rows, heads first
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):
     torch.manual_seed(0)
     alloc, ids = make_tree(dtype, head_dim)

@@ -449,12 +449,13 @@ int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& pro
   int64_t min_tokens = separate_merge && !r.num_computed ? kMinSeparateChunkTokens : kMinChunkTokens;
   bool outweighed = false;
   if (r.num_computed == 1 && !separate_merge) {  // a lone root: do its leaves outweigh it?
-    int64_t tokens = chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms, min_tokens);
-    int64_t pieces = std::max<int64_t>(1, ceil_div(length[0], chunk_length(length[0], tokens)));
+    int64_t step = chunk_length(length[0], chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms,
+                                                        min_tokens));
+    int64_t pieces = std::max<int64_t>(1, ceil_div(length[0], step));
     int64_t leaf_tokens = 0;
     for (size_t k = 1; k < length.size(); ++k) leaf_tokens += length[k];
-    outweighed = leaves_outweigh_root(length[0], ceil_div(chunk_length(length[0], tokens), kChunkAlign),
-                                      pieces * programs[0], block_m[0] > shape.block_ms[0], leaf_tokens, shape);
+    outweighed = leaves_outweigh_root(length[0], ceil_div(step, kChunkAlign), pieces * programs[0],
+                                      block_m[0] > shape.block_ms[0], leaf_tokens, shape);
   }
   return chunk_tokens(programs, length, counted, partial_programs(r.num_computed, separate_merge, outweighed, shape),
                       min_tokens);

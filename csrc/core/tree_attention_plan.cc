@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <utility>
 
 #include "int_math.h"
 #include "paged_decode.h"
@@ -65,6 +66,13 @@ int64_t longest_item(const ItemList& items) {
     longest = std::max<int64_t>(longest, items.records[k * kTreeItemFields.size() + 2] -
                                              items.records[k * kTreeItemFields.size() + 1]);
   return longest;
+}
+
+// A tree launch's grid (x, y): (programs, heads), or (heads, programs) where each program's
+// heads run together (partial items by ItemList::heads_first, packed final programs by
+// Plan::final_heads_first; the kernels' item_and_head).
+std::pair<int64_t, int64_t> ordered_grid(int64_t programs, int64_t heads, bool heads_first) {
+  return heads_first ? std::pair<int64_t, int64_t>{heads, programs} : std::pair<int64_t, int64_t>{programs, heads};
 }
 
 }  // namespace
@@ -208,9 +216,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
       page = Arg::Int(shape_.block_size), cols = Arg::Int(max_blocks_);
   for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i) {
     const ItemList& items = plan_.items[i];
-    // (heads, items) where each item's heads run together (the kernel's item_and_head).
-    int64_t gx = items.heads_first ? shape_.num_kv_heads : items.count();
-    int64_t gy = items.heads_first ? items.count() : shape_.num_kv_heads;
+    auto [gx, gy] = ordered_grid(items.count(), shape_.num_kv_heads, items.heads_first);
     st = ctx_.launch(partial_kernels_[i], gx, gy, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
@@ -238,9 +244,8 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                        {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
                         {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
                        stream, after_partials);
-  bool heads_first = plan_.final_heads_first;
-  return ctx_.launch(last_kernel_, heads_first ? plan_shape_.final_tiles() : final_programs(),
-                     heads_first ? final_programs() : plan_shape_.final_tiles(), 1,
+  auto [gx, gy] = ordered_grid(final_programs(), plan_shape_.final_tiles(), plan_.final_heads_first);
+  return ctx_.launch(last_kernel_, gx, gy, 1,
                      {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
                       {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)}, {"common", work(kCommon)},
@@ -248,7 +253,7 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
                       {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
                       {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
                       {"num_rows", Arg::Int(num_branches())}, {"lanes", Arg::Int(plan_.final_lanes)},
-                      {"heads_first", Arg::Int(heads_first)}},
+                      {"heads_first", Arg::Int(plan_.final_heads_first)}},
                      stream, after_partials);
 }
 

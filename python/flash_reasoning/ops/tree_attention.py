@@ -188,7 +188,7 @@ class TreeAttentionPlan:
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
         templates = [
             (self._partial_spec(dtype, block_m, tokens, records.shape[0] * kv_heads),
-             partial_grid(records.shape[0], kv_heads, self.arrays.heads_first[block_m]),
+             ordered_grid(records.shape[0], kv_heads, self.arrays.heads_first[block_m]),
              paged + (self._order, items, self._entry_slot, self.partial_out,
                       self.partial_lse) + scalars
              + (int(self.arrays.early_final), int(self.arrays.heads_first[block_m])))
@@ -203,7 +203,7 @@ class TreeAttentionPlan:
         # A packed program walks its lanes' final ranges side by side.
         lanes = self.arrays.final_lanes
         tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
-        grid = (-(-self.num_branches // lanes), tiles, 1)
+        grid = ordered_grid(-(-self.num_branches // lanes), tiles, self.arrays.final_heads_first)
         final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
         self.launch_max_tokens.append(final_tokens)
         if self.arrays.decode:
@@ -213,14 +213,14 @@ class TreeAttentionPlan:
         common = self.arrays.has_common
         final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide, common), dtype,
                                     final_tokens, math.prod(grid))
-        heads_first = self.arrays.final_heads_first
         templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
                                                    lanes > 1, self.allocator.block_size, wide,
                                                    common),
-                          (grid[1], grid[0], 1) if heads_first else grid,
+                          grid,
                           paged + (self._order, self._final_start, self._merge_ptr,
                                    self._common, self.partial_out, self.partial_lse, "out")
-                          + scalars + (self.num_branches, lanes, int(heads_first))))
+                          + scalars + (self.num_branches, lanes,
+                                       int(self.arrays.final_heads_first))))
         return templates
 
     def _partial_spec(self, dtype: str, block_m: int, max_tokens: int, programs: int):
@@ -324,10 +324,11 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     return out
 
 
-def partial_grid(num_items: int, num_kv_heads: int, heads_first: bool) -> tuple[int, int, int]:
-    """``tree_partial``'s grid: (items, heads), or (heads, items) where each item's heads run
-    together (``PlanArrays.heads_first``; the kernel's ``item_and_head``)."""
-    return (num_kv_heads, num_items, 1) if heads_first else (num_items, num_kv_heads, 1)
+def ordered_grid(programs: int, heads: int, heads_first: bool) -> tuple[int, int, int]:
+    """A tree launch's grid: (programs, heads), or (heads, programs) where each program's heads
+    run together (``tree_partial``'s items by ``PlanArrays.heads_first``, packed ``tree_final``
+    programs by ``PlanArrays.final_heads_first``; the kernels' ``item_and_head``)."""
+    return (heads, programs, 1) if heads_first else (programs, heads, 1)
 
 
 def _longest_item(records: np.ndarray) -> int:
