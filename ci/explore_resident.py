@@ -10,12 +10,11 @@ Both partial launches are ``tree_partial`` JIT-compiled with its body inside a g
 as the shipped kernels run it, and the persistent launches at each R and leaf config, outputs
 checked (us, interleaved, L2 flushed). Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_resident.py [CASE...]"""
-import math
 import sys
 import textwrap
 from pathlib import Path
 
-from flash_reasoning import TreeAttentionPlan, bench, runtime
+from flash_reasoning import TreeAttentionPlan, bench
 
 sys.path.insert(0, "ci")
 from explore_overlap import case_queries, poisoned_run, report, try_compile, variant  # noqa: E402

@@ -2,7 +2,6 @@
 and the cost model folds and computes the nodes it should."""
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -371,6 +370,15 @@ def test_a_lone_root_outweighed_by_its_leaves_leaves_whole_sms_to_them():
     # Two waves of root programs double its tiles' time.
     assert not _launcher.leaves_outweigh_root(**{**root, "root_programs": 300},
                                               leaf_tokens=64 * 64)
+
+
+@pytest.mark.parametrize("lanes, resident", [(1, 6), (2, 4), (4, 4), (8, 4)])
+def test_final_waves_count_the_programs_each_kernel_fits(lanes, resident):
+    """The final launch's waves in the cost model: the one-branch kernel fits 6 programs per SM,
+    the packed kernel (two lanes or more: 240 registers, 39 KB of shared memory) 4 (ncu, H100,
+    docs/perf.md session 29)."""
+    from flash_reasoning import _launcher
+    assert _launcher.final_programs_per_sm(lanes) == resident
 
 
 def test_lanes_do_not_apply_to_separate_merges():

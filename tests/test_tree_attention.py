@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import HAS_GPU, gpu, interpreter, poisoned_like
+from conftest import gpu, interpreter, poisoned_like
 from flash_reasoning import (PhysicalKVAllocator, StalePlan, TreeAttentionPlan, UnknownBranch,
                              reference, tree_attention)
 from flash_reasoning import _launcher, runtime
@@ -61,6 +61,28 @@ def test_kernels_interpreted(dtype, heads, separate):
     plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate)
     assert plan.arrays.num_entries > 0           # partials and merges were exercised
     assert plan.arrays.separate_merge == separate
+    check(out, q, alloc, ids)
+
+
+@interpreter
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_final_merges_many_partials_interpreted(lanes):
+    """Final programs folding 2-7 partials a row (one after another, rows of unequal counts),
+    in the one-branch and the packed kernel."""
+    alloc = PhysicalKVAllocator(200, 8, 2, 64, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    root = alloc.alloc_branch(400).branch_id
+    alloc.write(root, 0, *random_kv(alloc, gen, 400))
+    ids = []
+    for length, fork in ((440, 400), (410, 400), (300, 300), (120, 120)):
+        ids.append(alloc.alloc_branch(length, parent_branch_id=root,
+                                      fork_position=fork).branch_id)
+        alloc.write(ids[-1], 0, *random_kv(alloc, gen, length - fork), start=fork)
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=32, separate_merge=False,
+                          final_lanes=lanes)
+    counts = plan.arrays.merge_ptr[1:] - plan.arrays.merge_ptr[:-1]
+    assert counts.max() > 4 and counts.min() < counts.max() and plan.arrays.final_lanes == lanes
     check(out, q, alloc, ids)
 
 

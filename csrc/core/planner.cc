@@ -212,7 +212,7 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
   int64_t walk = last_launch_walk(p, t, &tokens);
   if (p.separate_merge) return launch_us(double(walk), partial_bytes);
   int64_t programs = ceil_div(t.num_rows(), p.final_lanes) * shape.final_tiles();
-  int64_t waves = ceil_div(programs, kFinalProgramsPerSm * shape.num_sms);
+  int64_t waves = ceil_div(programs, final_programs_per_sm(p.final_lanes) * shape.num_sms);
   return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes);
 }
 
@@ -289,6 +289,10 @@ int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool
   int64_t most = root_outlasts_leaves ? shape.max_wide_final_lanes() : shape.max_final_lanes();
   while (lanes * 2 <= most && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms) lanes *= 2;
   return lanes;
+}
+
+int64_t final_programs_per_sm(int64_t final_lanes) {
+  return final_lanes > 1 ? kPackedFinalProgramsPerSm : kFinalProgramsPerSm;
 }
 
 bool final_starts_early(bool separate_merge) { return !separate_merge; }

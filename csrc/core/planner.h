@@ -93,10 +93,12 @@ constexpr double kLaunchUs = 5.0;
 constexpr double kStepUs = 1.2;
 constexpr double kWideStepFactor = 2.0;  // a 64-row tile's step (4x a 16-row tile's MMA work)
 constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
-// Final-kernel programs resident per SM (ncu: 6 of the one-branch kernel by registers and
-// shared memory; the packed kernel's 240 registers fit 4, docs/perf.md session 29, which the
-// model does not tell apart); a partial launch's waves count kWaves programs per SM.
+// Final-kernel programs resident per SM, by registers and shared memory (ncu, H100): 6 of the
+// one-branch kernel, 4 of the packed kernel at two warps (240-255 registers, 39-43 KB; the wide
+// tile with shared ranges runs 4 warps, 2 programs: the same warps; docs/perf.md sessions 29,
+// 30). final_programs_per_sm() picks by lanes; a partial launch's waves count kWaves per SM.
 constexpr int64_t kFinalProgramsPerSm = 6;
+constexpr int64_t kPackedFinalProgramsPerSm = 4;
 // Partial slots the merge kernel folds per step (dispatch.MERGE_BLOCK_S; a test checks).
 constexpr int64_t kMergeSlotsPerStep = 16;
 // Final-kernel lanes: a GQA group of at most half the narrow tile leaves rows free, which the
@@ -330,6 +332,8 @@ bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t fina
 // at most one program per SM (kPackedFinalsBesideRoot); `root_outlasts_leaves`: that launch is
 // estimated to take longer than the final launch at the narrow tile's lanes (the wide tile).
 int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool root_outlasts_leaves);
+// Final-kernel programs resident per SM at `final_lanes` lanes (the packed kernel from 2).
+int64_t final_programs_per_sm(int64_t final_lanes);
 bool final_starts_early(bool separate_merge);
 // Whether a plan's final launch is a paged decode: it computes no node and splits no range (no
 // partial entries), so each final range is a whole branch with nothing to merge, and the lanes

@@ -370,6 +370,9 @@ PYBIND11_MODULE(_launcher, m) {
         "Whether a final launch of `final_programs` programs of `final_lanes` branches (reading shared ranges "
         "or not) over token rows of `kv_row_bytes` (a token's K across the KV heads) runs each program's KV "
         "heads together (csrc/core/planner.h).");
+  m.def("final_programs_per_sm", &fr::final_programs_per_sm, py::arg("final_lanes"),
+        "Final-kernel programs the cost model counts resident per SM at `final_lanes` lanes "
+        "(csrc/core/planner.h).");
   m.def(
       "leaves_outweigh_root",
       [](int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile, int64_t leaf_tokens,
