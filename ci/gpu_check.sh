@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on a GPU machine (the device tool's H100): build for this GPU's arch only, run every
 # test (GPU tests included), then the benchmarks. Logs go to $OUT (or ./gpu-logs).
-# SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls).
+# SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls);
+# PYTEST_ARGS (files, split on spaces) and PYTEST_K (one -k expression) narrow the tests.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
@@ -25,7 +26,8 @@ log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
 log=layout.log step "driver struct layout against cuda.h" bash -c 'g++ -std=c++17 -fsyntax-only \
     -I"$(dirname "$(command -v nvcc)")/../include" ci/driver_layout_check.cc && echo "layout ok"' || status=1
-log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} -q -p no:cacheprovider || status=1
+log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -q \
+    -p no:cacheprovider || status=1
 log=sanitize.log step "compute-sanitizer" env OUT="$OUT" bash ci/sanitize.sh || status=1
 log=fuzz.log   step "fuzz (${FUZZ_EXAMPLES:-2000} trees)" env FLASH_REASONING_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
     python3 -m pytest tests/test_fuzz.py -k gpu_fuzz -q -p no:cacheprovider || status=1
