@@ -163,6 +163,12 @@ static_assert(kMaxItemRuns == 2, "an item record holds one run_split: two runs a
 
 double launch_us(double steps, double bytes) { return kLaunchUs + std::max(steps * kStepUs, bytes / kBytesPerUs); }
 
+// A partial launch's serial steps: its longest program's KV tiles times its waves (kWaves
+// programs per SM), each step of the wide tile kWideStepFactor.
+double partial_steps(int64_t longest_tiles, int64_t programs, bool wide_tile, const PlanShape& shape) {
+  return double(longest_tiles * ceil_div(programs, kWaves * shape.num_sms)) * (wide_tile ? kWideStepFactor : 1.0);
+}
+
 // A partial launch: its longest item's KV tiles times its waves; every chunk read once.
 double partial_launch_us(const ItemList& list, const SegmentTree& t, const PlanShape& shape) {
   int64_t longest = 0, tokens = 0;
@@ -173,9 +179,8 @@ double partial_launch_us(const ItemList& list, const SegmentTree& t, const PlanS
     longest = std::max(longest, ceil_div(length, kChunkAlign));
     if (r[kFirstFlatRow] == 0) tokens += length;  // a chunk's first tile
   }
-  int64_t waves = ceil_div(list.count() * shape.num_kv_heads, kWaves * shape.num_sms);
-  double factor = list.block_m > shape.block_ms[0] ? kWideStepFactor : 1.0;
-  return launch_us(double(longest * waves) * factor, double(tokens * shape.kv_bytes_per_token()));
+  return launch_us(partial_steps(longest, list.count() * shape.num_kv_heads, list.block_m > shape.block_ms[0], shape),
+                   double(tokens * shape.kv_bytes_per_token()));
 }
 
 // The longest serial walk of a last-launch program, and the KV tokens the launch reads
@@ -311,10 +316,8 @@ int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_
 bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile,
                           int64_t leaf_tokens, const PlanShape& shape) {
   double bytes_per_token = double(shape.kv_bytes_per_token());
-  int64_t waves = ceil_div(root_programs, kWaves * shape.num_sms);
-  double root_us = std::max(double(root_tiles * waves) * kStepUs * (wide_tile ? kWideStepFactor : 1.0),
-                            double(root_tokens) * bytes_per_token / kBytesPerUs);
-  return double(leaf_tokens) * bytes_per_token / kBytesPerUs > root_us;
+  return launch_us(0, double(leaf_tokens) * bytes_per_token) >
+         launch_us(partial_steps(root_tiles, root_programs, wide_tile, shape), double(root_tokens) * bytes_per_token);
 }
 
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
