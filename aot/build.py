@@ -76,13 +76,37 @@ def compile_spec(arch: str, spec: Spec) -> tuple[bytes, dict]:
     if meta.shared > grid.MAX_SHARED[arch]:
         raise RuntimeError(f"{spec.name} needs {meta.shared} B of shared memory; {arch} "
                            f"allows {grid.MAX_SHARED[arch]} B: give it fewer stages there")
-    params = [{"name": n, "type": signature[n]} for n in family.param_names]
+    params = [{"name": n, "type": t} for n, t in spec.runtime_params()]
+    _describe_tensor_maps(spec, params, getattr(meta, "tensordesc_meta", None))
     params += [{"name": n, "type": t} for n, t in SCRATCH_PARAMS]
     entry = {"name": spec.name, "kernel": spec.family, "entry": compiled.name,
              "cubin": f"{spec.name}.cubin", "key": spec.key, "params": params,
              "num_warps": meta.num_warps, "num_stages": spec.num_stages,
              "shared": meta.shared}
     return compiled.asm["cubin"], entry
+
+
+#: CUtensorMapDataType (cuda.h) of the element types Triton's descriptor metadata names (its
+#: own numbering): fp16 and bf16, the pools' dtypes.
+_TENSOR_MAP_DATA_TYPES = {6: 6, 10: 9}
+
+
+def _describe_tensor_maps(spec: Spec, params: list[dict], described: list | None) -> None:
+    """Adds to each ``nvTmaDesc`` param of ``params`` what the launcher encodes its descriptor
+    with (cuTensorMapEncodeTiled's data type, swizzle and box, the box in the view's order:
+    rows, columns), from the compiled kernel's descriptor metadata; fails where the kernel did
+    not lower its descriptors to TMA (Triton then expects other parameters)."""
+    maps = [p for p in params if p["type"] == "nvTmaDesc"]
+    if len(maps) != len(described or []) or any(d is None for d in described or []):
+        raise RuntimeError(f"{spec.name}: Triton describes descriptors {described} for the "
+                           f"tensor maps {[p['name'] for p in maps]}: they were not lowered to TMA")
+    for param, desc in zip(maps, described or []):
+        if desc["elem_type"] not in _TENSOR_MAP_DATA_TYPES or desc["fp4_padded"]:
+            raise RuntimeError(f"{spec.name}: tensor map {param['name']} has element type "
+                               f"{desc['elem_type']}, which the launcher does not encode")
+        param["tensor_map"] = {"data_type": _TENSOR_MAP_DATA_TYPES[desc["elem_type"]],
+                               "elem_size": desc["elem_size"], "swizzle": desc["swizzle"],
+                               "box": list(desc["block_size"])}
 
 
 def _compile_cached(arch: str, spec: Spec, cache_dir: Path) -> tuple[dict, bool]:

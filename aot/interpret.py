@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from flash_reasoning.runtime import Launch
+from flash_reasoning.runtime import Launch, TensorMap
 from flash_reasoning.specializations import FAMILIES
 
 _WORD_DTYPES = {"*i16": torch.int16, "*i32": torch.int32, "*i64": torch.int64,
@@ -23,13 +23,24 @@ def run_interpreted(launches: list[Launch]) -> None:
     from .kernels import JIT_FUNCTIONS
     _widen_bf16_dot_operands()
     for launch in launches:
-        signature = launch.spec.signature()
-        names = FAMILIES[launch.spec.family].param_names
-        args = [_interpreter_arg(a, signature[n]) for a, n in zip(launch.args, names)]
-        JIT_FUNCTIONS[launch.spec.family][launch.grid](*args, **dict(launch.spec.constexprs))
+        JIT_FUNCTIONS[launch.spec.family][launch.grid](*triton_args(launch),
+                                                       **dict(launch.spec.constexprs))
 
 
-def _interpreter_arg(arg, typ: str):
+def triton_args(launch: Launch) -> list:
+    """``launch``'s arguments as a Triton call of its kernel takes them (the interpreter's, or a
+    JIT compile's in the ``ci/explore_*.py`` sweeps): each :class:`TensorMap` a Triton tensor
+    descriptor over its view, tiled as the spec's loads are."""
+    signature = launch.spec.signature()
+    names = FAMILIES[launch.spec.family].param_names
+    return [_interpreter_arg(a, signature[n], launch) for a, n in zip(launch.args, names)]
+
+
+def _interpreter_arg(arg, typ: str, launch: Launch):
+    if isinstance(arg, TensorMap):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        return TensorDescriptor(arg.base.view(arg.rows, arg.cols), [arg.rows, arg.cols],
+                                [arg.cols, 1], list(launch.spec.tensor_map_tile()))
     if not typ.startswith("*"):
         return arg
     if arg is None:  # a pointer this specialization never touches

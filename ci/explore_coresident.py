@@ -17,6 +17,7 @@ import sys
 import numpy as np
 import torch
 
+from aot.interpret import triton_args
 from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench, runtime, timing
 from flash_reasoning.specializations import TREE_ITEM_FIELDS, TREE_PARTIAL
@@ -75,7 +76,7 @@ def explore(name, case):
     (block_m, records), = plan.arrays.items.items()
     wide_items = torch.from_numpy(recut(records, group, WIDE)).cuda()
     slots = (plan.partial_out, plan.partial_lse)
-    args = list(partial.args)
+    args = triton_args(partial)
     args[[name for name, _ in TREE_PARTIAL.params].index("items")] = wide_items
     args[[name for name, _ in TREE_PARTIAL.params].index("heads_first")] = 0  # (items, heads)
     constexprs = dict(partial.spec.constexprs)

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from aot.interpret import triton_args
 from flash_reasoning import TreeAttentionPlan, bench, runtime, timing
 from flash_reasoning.runtime import Launch
 from flash_reasoning.specializations import TREE_FINAL, TREE_PARTIAL
@@ -40,7 +41,7 @@ def flipped(launch, family):
     """``launch`` with its programs' order flipped if it is an orderable launch of ``family``."""
     if not orderable(launch, family):
         return launch
-    args = list(launch.args)
+    args = triton_args(launch)
     at = HEADS_FIRST[family]
     args[at] = 1 - int(args[at])
     return Launch(launch.spec, (launch.grid[1], launch.grid[0], 1), tuple(args))

@@ -10,6 +10,7 @@ consecutive prints WRONG). Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_item_contiguous.py [CASE...]"""
 import sys
 
+from aot.interpret import triton_args
 from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench, runtime
 
@@ -25,7 +26,7 @@ def jit_partial(partial, contiguous):
     """``partial`` (a tree_partial launch) JIT-compiled at ``CONTIGUOUS`` = ``contiguous``."""
     constexprs = {**dict(partial.spec.constexprs), "CONTIGUOUS": int(contiguous), "PDL": 0}
     return lambda: JIT_FUNCTIONS["tree_partial"][partial.grid](
-        *partial.args, **constexprs, num_warps=partial.spec.num_warps,
+        *triton_args(partial), **constexprs, num_warps=partial.spec.num_warps,
         num_stages=partial.spec.num_stages)
 
 

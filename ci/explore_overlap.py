@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from aot.interpret import triton_args
 from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench
 
@@ -43,7 +44,7 @@ def jit_runs(launches, module, pdl):
     def run(launch, last):
         fn = getattr(module, launch.spec.family)
         constexprs = {**dict(launch.spec.constexprs), "PDL": int(pdl)}
-        return lambda: fn[launch.grid](*launch.args, **constexprs, num_warps=launch.spec.num_warps,
+        return lambda: fn[launch.grid](*triton_args(launch), **constexprs, num_warps=launch.spec.num_warps,
                                        num_stages=launch.spec.num_stages, launch_pdl=pdl and last)
     runs = [run(launch, i == len(launches) - 1) for i, launch in enumerate(launches)]
     return lambda: [r() for r in runs]
@@ -75,7 +76,7 @@ def jit_launch(launch, config, module=None, **constexprs):
     kernels = JIT_FUNCTIONS[launch.spec.family] if module is None else \
         getattr(module, launch.spec.family)
     kernel = kernels[launch.grid]
-    return lambda: kernel(*launch.args, **constexprs, num_warps=warps, num_stages=stages)
+    return lambda: kernel(*triton_args(launch), **constexprs, num_warps=warps, num_stages=stages)
 
 
 def try_compile(key, run, info):

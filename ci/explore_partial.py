@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import torch
 
+from aot.interpret import triton_args
 from flash_reasoning import TreeAttentionPlan, bench, planner, runtime, timing
 from flash_reasoning.ops.tree_attention import ordered_grid
 from flash_reasoning.runtime import Launch
@@ -96,7 +97,7 @@ def wide_partial(case):
 def with_items(launch, records, index, device):
     """``launch`` over the items ``records[index]`` alone."""
     items = torch.from_numpy(np.ascontiguousarray(records[index])).to(device)
-    args = list(launch.args)
+    args = triton_args(launch)
     args[ITEMS] = items
     heads_first = args[HEADS_FIRST]
     heads = launch.grid[0] if heads_first else launch.grid[1]

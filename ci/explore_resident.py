@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from aot.interpret import triton_args
 from flash_reasoning import TreeAttentionPlan, bench
 
 sys.path.insert(0, "ci")
@@ -53,7 +54,7 @@ def jit_launch(launch, programs_per_sm, num_sms, pdl, config=None):
     warps, stages = launch.spec.num_warps, launch.spec.num_stages
     if config is not None:
         constexprs["BLOCK_N"], warps, stages = config
-    args, grid = list(launch.args), launch.grid
+    args, grid = triton_args(launch), launch.grid
     if launch.spec.family == "tree_partial":
         pairs = grid[0] * grid[1]
         cap = pairs if programs_per_sm is None else max(1, programs_per_sm * num_sms)

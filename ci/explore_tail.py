@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from aot.interpret import triton_args
 from flash_reasoning import TreeAttentionPlan, bench
 
 from flash_reasoning.synthetic import LONG_NODE_TOKENS, long_narrow_node
@@ -60,7 +61,7 @@ def jit_run(launches, module, side_by_side=True):
     def one(launch, i):
         fn = getattr(module, launch.spec.family)
         pdl = i > 0 and (side_by_side or i == len(launches) - 1)
-        return lambda: fn[launch.grid](*launch.args, **dict(launch.spec.constexprs),
+        return lambda: fn[launch.grid](*triton_args(launch), **dict(launch.spec.constexprs),
                                        num_warps=launch.spec.num_warps,
                                        num_stages=launch.spec.num_stages, launch_pdl=pdl)
     runs = [one(launch, i) for i, launch in enumerate(launches)]

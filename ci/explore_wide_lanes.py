@@ -16,6 +16,7 @@ Run on a GPU: PYTHONPATH=.:python python3 ci/explore_wide_lanes.py [--factors F,
 import math
 import sys
 
+from aot.interpret import triton_args
 from aot.kernels import JIT_FUNCTIONS
 from flash_reasoning import TreeAttentionPlan, bench, runtime
 from flash_reasoning.specializations import TREE_FINAL
@@ -34,7 +35,7 @@ def wide_final(final, lanes, group, config):
     """``final`` (a packed tree_final launch) JIT-compiled for ``lanes`` lanes at ``config``,
     started early after the partial launch (PDL)."""
     block_n, warps, stages = config
-    args = list(final.args)
+    args = triton_args(final)
     args[PARAMS.index("lanes")] = lanes
     tiles = final.grid[0] if args[PARAMS.index("heads_first")] else final.grid[1]
     args[PARAMS.index("heads_first")] = 0

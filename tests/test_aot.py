@@ -48,8 +48,16 @@ def test_every_spec_dispatch_can_ask_for_is_compiled(arch):
     for spec in dispatch.required_specs(arch):
         assert spec.name in kernels, f"{spec.name} missing from {arch}"
         compiled = kernels[spec.name]
-        declared = {n: t for n, t in spec.signature().items() if t != "constexpr"}
-        assert {p["name"]: p["type"] for p in compiled["params"][:-2]} == declared
+        params = compiled["params"][:-2]
+        assert [(p["name"], p["type"]) for p in params] == spec.runtime_params()
+        maps = [p for p in params if "tensor_map" in p]
+        assert [p["name"] for p in maps] == list(spec.tensor_maps), spec.name
+        for p in maps:  # what the launcher encodes: the element type and the tile of one load
+            assert p["tensor_map"]["data_type"] == {"float16": 6, "bfloat16": 9}[spec.dtype]
+            assert p["tensor_map"]["elem_size"] == 2
+            rows, cols = spec.tensor_map_tile()
+            box_rows, box_cols = p["tensor_map"]["box"]
+            assert box_rows == rows and box_cols * 2 in (64, 128) and cols % box_cols == 0
         assert compiled["key"] == spec.key
         assert compiled["overlaps_previous"] == spec.overlaps_previous, spec.name
 

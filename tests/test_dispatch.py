@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import dispatch, tuning_table
-from flash_reasoning.specializations import DTYPES
+from flash_reasoning.specializations import DTYPES, FAMILIES
 
 ARCHS = ("sm80", "sm89", "sm90")
 MEASURED_ARCHS = ("sm90",)  # the archs that ship a tuning table
@@ -160,14 +160,15 @@ def test_every_config_a_call_can_pick_is_required(arch):
 def assert_mirrored_rule_lists(rules, suffix, mark, generic_mark, lists_per_variant):
     """The manifest's rule lists ending in ``suffix`` (``lists_per_variant`` per dtype and
     head_dim) pick the configs of the lists without it: the same bounds, kernels named alike
-    but for ``mark`` in place of ``generic_mark``."""
+    but for ``mark`` in place of ``generic_mark`` (and TMA descriptors where a contiguous walk
+    reads through them)."""
     keys = [key for key in rules if key.endswith(suffix)]
     assert len(keys) == lists_per_variant * len(DTYPES) * len(dispatch.HEAD_DIMS)
     for key in keys:
         generic = rules[key.removesuffix(suffix)]
         assert [r[:2] for r in rules[key]] == [r[:2] for r in generic], key
-        assert [r[2].replace(mark, generic_mark) for r in rules[key]] == \
-            [r[2] for r in generic], key
+        assert [r[2].replace(mark, generic_mark).replace("_tma1_", "_tma0_")
+                for r in rules[key]] == [r[2] for r in generic], key
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -209,6 +210,33 @@ def test_contiguous_partial_kernels_have_their_own_rules(arch, override):
                                    "_contiguous0_", len(dispatch.TREE_BLOCK_MS))
     spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, contiguous=2)
     assert spec.key["CONTIGUOUS"] == 2 and spec.key["PAGE"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_only_sm90s_wide_contiguous_walk_reads_through_tensor_maps(arch):
+    """TMA descriptors: the wide tile's contiguous walk at head_dim 128 on sm90, nothing else;
+    such a spec takes its pools as tensor maps, each followed by its view's fields."""
+    for dtype in DTYPES:
+        for head_dim in dispatch.HEAD_DIMS:
+            for block_m in dispatch.TREE_BLOCK_MS:
+                for page_size, runs in dispatch.addressings("tree_partial"):
+                    spec = dispatch.tree_partial_spec(dtype, head_dim, block_m, arch, None,
+                                                      page_size, runs)
+                    expected = (arch == "sm90" and runs > 0 and block_m == 64
+                                and head_dim == 128)
+                    assert spec.key["TMA"] == expected
+                    assert spec.tensor_maps == (("k_pool", "v_pool") if expected else ())
+    if arch != "sm90":
+        return
+    spec = dispatch.tree_partial_spec("bfloat16", 128, 64, arch, (64, 4, 3), 16, 2)
+    assert spec.signature()["k_pool"] == "tensordesc<bf16[64, 128]>"
+    assert spec.tensor_map_tile() == (64, 128)
+    params = spec.runtime_params()
+    at = params.index(("k_pool", "nvTmaDesc"))
+    assert params[at:at + 6] == [("k_pool", "nvTmaDesc"), ("k_pool_rows", "i32"),
+                                 ("k_pool_cols", "i32"), ("k_pool_row_stride", "i64"),
+                                 ("k_pool_col_stride", "i64"), ("v_pool", "nvTmaDesc")]
+    assert len(params) == len(FAMILIES["tree_partial"].params) + 8
 
 
 @pytest.mark.parametrize("key, parsed", [

@@ -375,6 +375,22 @@ int cuMemcpyHtoD_v2(unsigned long long d, const void* s, size_t n) { memcpy((voi
 int cuMemcpyDtoH_v2(void* d, unsigned long long s, size_t n) { memcpy(d, (void*)s, n); return 0; }
 int cuMemcpyHtoDAsync_v2(unsigned long long d, const void* s, size_t n, void* st) { memcpy((void*)d, s, n); return 0; }
 int cuStreamSynchronize(void* st) { return 0; }
+#ifdef WITH_TENSOR_MAP
+/* Records its arguments (data type, rank, address, dims, row stride, box, swizzle) and writes the
+   address + 1 into the map's first 8 bytes, so a launch's params show which map they point at. */
+unsigned long long fake_map_args[9];
+int cuTensorMapEncodeTiled(unsigned long long* map, int type, unsigned rank, void* address,
+                           const unsigned long long* dims, const unsigned long long* strides,
+                           const unsigned* box, const unsigned* elem_strides, int interleave,
+                           int swizzle, int l2, int fill) {
+  unsigned long long args[9] = {type, rank, (unsigned long long)address, dims[0], dims[1], strides[0],
+                                box[0], box[1], swizzle};
+  memcpy(fake_map_args, args, sizeof args);
+  if (elem_strides[0] != 1 || elem_strides[1] != 1 || interleave != 0 || fill != 0) return 1;
+  map[0] = (unsigned long long)address + 1;
+  return (unsigned long long)address == 0xbad0 ? 1 : 0;
+}
+#endif
 #ifdef WITH_LAUNCH_EX
 /* cuLaunchKernelEx as cuda.h lays out its config; records the first attribute. */
 typedef struct { int id; char pad[4]; union { char bytes[64]; int allowed; void* align; } value; } Attr;
@@ -542,3 +558,83 @@ def test_gpu_rejects_corrupted_cubin(tmp_path):
     launcher = Launcher(write_arch(tmp_path, [kernel_entry(sha="ab" * 32)]), 0)
     err = raises(lambda: launcher.launch(NAME, (1, 1, 1), [0, 1, 1.0], 0), "corrupted", NAME + ".cubin")
     assert err.code == 4
+
+
+# ---------------------------------------------------------------- TMA descriptors (tensor-map parameters)
+
+MAP_NAME = "tree_partial_tma"
+TENSOR_MAP = {"data_type": 6, "elem_size": 2, "swizzle": 3, "box": [64, 64]}
+MAP_PARAMS = [("k_pool", "nvTmaDesc"), ("k_pool_rows", "i32"), ("k_pool_cols", "i32"),
+              ("k_pool_row_stride", "i64"), ("k_pool_col_stride", "i64")]
+
+
+def map_entry(tensor_map=TENSOR_MAP, params=MAP_PARAMS):
+    listed = [{"name": n, "type": t} for n, t in params + SCRATCH]
+    for param in listed:
+        if param["type"] == "nvTmaDesc" and tensor_map is not None:
+            param["tensor_map"] = tensor_map
+    return kernel_entry(MAP_NAME, params=listed, cubin=NAME + ".cubin")
+
+
+@pytest.mark.parametrize("entry, fragments", [
+    (map_entry(tensor_map=None), ["params[0].tensor_map", "is missing"]),
+    (map_entry(tensor_map=[6]), ["params[0].tensor_map", "must be an object"]),
+    (map_entry(tensor_map={**TENSOR_MAP, "box": [64, 300]}), ["tensor_map.box", "[1, 256]"]),
+    (map_entry(tensor_map={**TENSOR_MAP, "box": [64]}), ["tensor_map.box"]),
+    (map_entry(tensor_map={k: v for k, v in TENSOR_MAP.items() if k != "swizzle"}),
+     ["tensor_map.swizzle", "missing"]),
+    (map_entry(params=MAP_PARAMS[:4]), ["params[4].type", "must be i64", "'k_pool'"]),
+    (map_entry(params=MAP_PARAMS[:1] + [("x", "i64")] + MAP_PARAMS[2:]), ["params[1].type", "must be i32"]),
+    (map_entry(params=MAP_PARAMS * 5), ["more than 4 tensor maps"]),
+])
+def test_bad_tensor_map_params_are_refused(tmp_path, entry, fragments):
+    raises(lambda: Launcher(write_arch(tmp_path, [entry]), 0), *fragments)
+
+
+@pytest.mark.parametrize("view, fragments", [
+    ([0, 256, 256, 1], ["tensor map 'k_pool' views 0 x 256"]),
+    ([64, 256, 256, 2], ["strides (256, 2)", "column stride 1"]),
+    ([64, 256, 200, 1], ["strides (200, 1)", "row stride >= cols"]),
+    ([64, 4, 4, 1], ["multiple of 16"]),
+])
+def test_bad_tensor_map_views_are_refused_before_the_driver(tmp_path, view, fragments):
+    launcher = Launcher(write_arch(tmp_path, [map_entry()]), 0)
+    assert launcher.params(MAP_NAME) == MAP_PARAMS
+    raises(lambda: launcher.launch(MAP_NAME, (1, 1, 1), [0x1000] + view, 0), *fragments)
+    raises(lambda: launcher.prepare([(MAP_NAME, EMPTY, [Hole(0)] + view)], ["k"]), *fragments)
+    raises(lambda: launcher.prepare([(MAP_NAME, EMPTY, [0x1008, 64, 256, 256, 1])], ["k"]),
+           "argument 0 ('k_pool', nvTmaDesc) is 0x1008, not 16-byte aligned")
+
+
+def test_fake_driver_encodes_tensor_maps_per_launch(tmp_path):
+    """Each launch encodes the map from its address (a run's own pointer in a prepared sequence)
+    and the view's fields, and passes the map where the parameter goes; an encoding error is the
+    driver's, named; a driver without the entry point is refused by name."""
+    folder = write_arch(tmp_path, [map_entry()])
+    body = f"""
+        fake = ctypes.CDLL(LIB)
+        launcher = L.Launcher({str(folder)!r}, 0)
+        params = lambda: bytes((ctypes.c_ubyte * 32).in_dll(fake, "fake_params")).hex()
+        args = lambda: list((ctypes.c_ulonglong * 9).in_dll(fake, "fake_map_args"))
+        out["launch"] = attempt(lambda: launcher.launch({MAP_NAME!r}, (1, 1, 1), [0x1000, 640, 1024, 1024, 1], 9))
+        out["launch_params"], out["launch_map"] = params(), args()
+        seq = launcher.prepare([({MAP_NAME!r}, (2, 1, 1), [L.Hole(0), 64, 256, 512, 1])], ["k"])
+        out["run"] = attempt(lambda: seq.run([0x2000], 9))
+        out["run_params"], out["run_map"] = params(), args()
+        out["bad"] = attempt(lambda: seq.run([0xbad0], 9))
+    """
+    lib = build_fake_libcuda(tmp_path, "-DWITH_TENSOR_MAP")
+    out = isolated(f"LIB = {str(lib)!r}\n" + textwrap.dedent(body), libcuda=lib)
+    assert out["launch"] == out["run"] == {"ok": None}
+    # fp16 (6), rank 2, the address, dims innermost first, the row stride in bytes, box cols then rows
+    assert out["launch_map"] == [6, 2, 0x1000, 1024, 640, 2048, 64, 64, 3]
+    assert out["run_map"] == [6, 2, 0x2000, 256, 64, 1024, 64, 64, 3]
+    fields = (64).to_bytes(4, "little") + (256).to_bytes(4, "little") + (512).to_bytes(8, "little")
+    fields += (1).to_bytes(8, "little")
+    assert out["run_params"] == ((0x2001).to_bytes(8, "little") + fields).hex()  # the map, then the view
+    assert "cuTensorMapEncodeTiled(" + MAP_NAME + ", 'k_pool')" in out["bad"]["error"]
+    plain = isolated(f"""
+        launcher = L.Launcher({str(folder)!r}, 0)
+        out["launch"] = attempt(lambda: launcher.launch({MAP_NAME!r}, (1, 1, 1), [0x1000, 64, 256, 256, 1], 9))
+    """, libcuda=build_fake_libcuda(tmp_path))
+    assert "no cuTensorMapEncodeTiled" in plain["launch"]["error"] and plain["launch"]["code"] == 5

@@ -12,6 +12,7 @@ from flash_reasoning import _launcher, runtime
 from flash_reasoning._launcher import LauncherError
 from flash_reasoning.bench import case_allocator, load_cases
 from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
+from flash_reasoning.runtime import TensorMap
 from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
 from flash_reasoning.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
                                        random_kv)
@@ -212,6 +213,40 @@ def test_two_run_partials_interpreted(piece_blocks, root_tokens, splits, num_qo_
     # The kernels read the splits from the uploaded records.
     uploaded = plan._items[0].view(-1, len(TREE_ITEM_FIELDS))
     assert torch.equal(uploaded.cpu(), torch.from_numpy(records))
+
+
+def poison_unread_slots(alloc, ids):
+    """NaN in every pool slot (the zero block aside) that holds no token of ``ids`` below its
+    length, as uninitialised device memory may."""
+    tables, lengths = alloc.block_tables(ids)
+    read = torch.zeros(alloc.num_blocks * alloc.block_size, dtype=torch.bool)
+    for table, length in zip(tables.long(), lengths.tolist()):
+        tokens = torch.arange(length)
+        read[table[tokens // alloc.block_size] * alloc.block_size
+             + tokens % alloc.block_size] = True
+    read[:alloc.block_size] = True
+    for pool in alloc.k_pools + alloc.v_pools:
+        pool.view(-1, alloc.num_kv_heads, alloc.head_dim)[~read] = float("nan")
+
+
+@interpreter
+@pytest.mark.parametrize("scattered", [False, True])
+def test_tensor_map_partials_interpreted(scattered):
+    """sm90's wide contiguous walk at head_dim 128 reads K/V through TMA descriptors (Triton's
+    tensor descriptors in the interpreter), over one run and over two: whole tiles, and a tail
+    tile whose slots past its range hold NaN (the pool poisoned before the tree was written),
+    match the reference."""
+    alloc, ids = shared_root("cpu", scattered, root_tokens=100, piece_blocks=5, head_dim=128)
+    poison_unread_slots(alloc, ids)
+    q = queries(alloc, ids, 8)
+    plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
+    check(out, q, alloc, ids)
+    launch = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)[0]
+    assert launch.spec.family == "tree_partial" and launch.spec.key["TMA"] == 1
+    assert launch.spec.key["CONTIGUOUS"] == 1 + scattered and launch.spec.key["BLOCK_M"] == 64
+    slots, row = alloc.num_blocks * alloc.block_size, alloc.num_kv_heads * alloc.head_dim
+    assert launch.args[1:3] == (TensorMap(alloc.k_pools[0], slots, row),
+                                TensorMap(alloc.v_pools[0], slots, row))
 
 
 @interpreter

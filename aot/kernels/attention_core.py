@@ -96,28 +96,29 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
 @triton.jit
 def attend_runs(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
                 split, end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, RUNS: tl.constexpr):
+                BLOCK_N: tl.constexpr, RUNS: tl.constexpr, TMA: tl.constexpr):
     """:func:`attend` over a range the caller vouches lies in ``RUNS`` runs of consecutive
     slots (its pages follow one another): [start, end) (``split`` unused), or, with ``RUNS``
     2, [start, split) then [split, end) (a root folded into a child: its pages, then the
     child's; H100, ft_1,4,16,512/q32kv8's partial launch, docs/perf.md session 27). Each run
-    is :func:`attend_run`."""
+    is :func:`attend_run`. ``TMA``: the pools are TMA descriptors of [slots, KV heads x
+    HEAD_DIM] (:func:`load_kv`)."""
     m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
     # The narrow tile's loop is faster masked in every step (H100, docs/perf.md session 26).
     if RUNS == 2:
         m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
                                    kv_head, num_kv_heads, page_size, start, split,
-                                   sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64)
+                                   sm_scale_log2, HEAD_DIM, BLOCK_N, BLOCK_M >= 64, TMA)
         start = split
     return attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head,
                       num_kv_heads, page_size, start, end, sm_scale_log2, HEAD_DIM, BLOCK_N,
-                      BLOCK_M >= 64)
+                      BLOCK_M >= 64, TMA)
 
 
 @triton.jit
 def attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads,
                page_size, start, end, sm_scale_log2, HEAD_DIM: tl.constexpr,
-               BLOCK_N: tl.constexpr, WHOLE_TILES_UNMASKED: tl.constexpr):
+               BLOCK_N: tl.constexpr, WHOLE_TILES_UNMASKED: tl.constexpr, TMA: tl.constexpr):
     """:func:`attend` over a range whose slots are consecutive in the pool, continuing the
     online-softmax state (m_i, l_i, acc): token ``n`` is slot ``first slot + n - start``, one
     page id for the whole range and no per-token page arithmetic. With
@@ -131,29 +132,35 @@ def attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head, 
     if WHOLE_TILES_UNMASKED:
         whole_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
         for n0 in tl.range(start, whole_end, BLOCK_N):
-            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0 + offs,
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0, offs,
                                         end, kv_head, num_kv_heads, sm_scale_log2, HEAD_DIM,
-                                        False)
+                                        False, TMA)
         if whole_end < end:
-            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0,
-                                        whole_end + offs, end, kv_head, num_kv_heads,
-                                        sm_scale_log2, HEAD_DIM, True)
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, whole_end,
+                                        offs, end, kv_head, num_kv_heads, sm_scale_log2,
+                                        HEAD_DIM, True, TMA)
     else:
         for n0 in tl.range(start, end, BLOCK_N):
-            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0 + offs,
+            m_i, l_i, acc = attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0, offs,
                                         end, kv_head, num_kv_heads, sm_scale_log2, HEAD_DIM,
-                                        True)
+                                        True, TMA)
     return m_i, l_i, acc
 
 
 @triton.jit
-def attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n, end, kv_head, num_kv_heads,
-                sm_scale_log2, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
-    """Tokens ``n`` of a run of slots (token ``n`` is slot ``slot0 + n``) folded into the
-    online-softmax state; ``MASKED``: some may lie past ``end`` (at least the first may not:
-    no row is left empty)."""
+def attend_tile(m_i, l_i, acc, qt, k_pool, v_pool, slot0, n0, offs, end, kv_head,
+                num_kv_heads, sm_scale_log2, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+                TMA: tl.constexpr):
+    """Tokens ``n0 + offs`` of a run of slots (token ``n`` is slot ``slot0 + n``) folded into
+    the online-softmax state; ``MASKED``: some may lie past ``end`` (at least the first may
+    not: no row is left empty)."""
+    n = n0 + offs
     n_ok = n < end
-    k, v = load_kv(k_pool, v_pool, (slot0 + n) * num_kv_heads + kv_head, n_ok, HEAD_DIM, MASKED)
+    if TMA:
+        k, v = load_kv_tile(k_pool, v_pool, slot0 + n0, kv_head, n_ok, HEAD_DIM, MASKED)
+    else:
+        k, v = load_kv(k_pool, v_pool, (slot0 + n) * num_kv_heads + kv_head, n_ok, HEAD_DIM,
+                       MASKED)
     s = tile_scores(qt, k, n_ok, sm_scale_log2, MASKED)
     return online_softmax_step(m_i, l_i, acc, s, v, False)
 
@@ -166,6 +173,21 @@ def load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM: tl.constexpr, MASKED: tl.co
         return (tl.load(k_pool + kv_off, mask=n_ok[:, None], other=0.0),
                 tl.load(v_pool + kv_off, mask=n_ok[:, None], other=0.0))
     return tl.load(k_pool + kv_off), tl.load(v_pool + kv_off)
+
+
+@triton.jit
+def load_kv_tile(k_desc, v_desc, slot, kv_head, n_ok, HEAD_DIM: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """:func:`load_kv` of the consecutive slots from ``slot`` through TMA descriptors of the
+    pools as [slots, KV heads x HEAD_DIM] (one tile of ``k_desc``'s block shape each). The
+    rows past the pool read as zeros, but those past ``end`` inside it hold other ranges'
+    values, NaN maybe: with ``MASKED`` V's are zeroed, since a zero weight times NaN is NaN (K's
+    scores are masked by :func:`tile_scores`)."""
+    k = k_desc.load([slot.to(tl.int32), kv_head * HEAD_DIM])
+    v = v_desc.load([slot.to(tl.int32), kv_head * HEAD_DIM])
+    if MASKED:
+        v = tl.where(n_ok[:, None], v, 0.0)
+    return k, v
 
 
 @triton.jit

@@ -11,7 +11,9 @@ and natural-log LSEs to partial slot ``entry_slot[entry0 + f // group]``: the pl
 slots so that each branch's partials are contiguous. ``CONTIGUOUS`` (1 or 2): the plan found
 every item of the launch in that many runs of consecutive pages at most
 (``planner.item_runs``), so each range is read as runs of slots from their first pages, the
-second from the item's ``run_split`` (``attention_core.attend_runs``).
+second from the item's ``run_split`` (``attention_core.attend_runs``). ``TMA`` (contiguous
+only, ``dispatch.reads_through_tensor_maps``): ``k_pool`` and ``v_pool`` are TMA descriptors of
+the pools as [slots, KV heads x HEAD_DIM], encoded by the launcher (``runtime.TensorMap``).
 
 ``tree_final`` runs one program per (branch, query-head tile), its grid (branches, tiles) or,
 packed with ``heads_first``, (tiles, branches): attention over the branch's
@@ -81,7 +83,8 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks, early_final,
                  heads_first,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, CONTIGUOUS: tl.constexpr, PDL: tl.constexpr):
+                 PAGE: tl.constexpr, CONTIGUOUS: tl.constexpr, TMA: tl.constexpr,
+                 PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
     # early_final (the plan's choice, every plan with a final kernel): final programs walk their
@@ -112,7 +115,7 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
         m_i, l_i, acc = attend_runs(qt, k_pool, v_pool, table, table_tokens, kv_head,
                                     num_kv_heads, page_size, tl.load(item + KV_START),
                                     tl.load(item + RUN_SPLIT), kv_end, sm_scale_log2, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, CONTIGUOUS)
+                                    BLOCK_M, BLOCK_N, CONTIGUOUS, TMA)
     else:
         m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
                                num_kv_heads, page_size, tl.load(item + KV_START), kv_end,

@@ -98,6 +98,12 @@ Status Context::launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::init
                                (i < k.params.size() ? k.params[i].name : std::string("(none)")) +
                                "', the library passes '" + a.name + "': artifacts and library differ");
     values[i++] = a.value;
+    if (k.params[i - 1].packed.kind != ParamKind::kTensorMap) continue;
+    if (a.rows <= 0)  // the manifest put the view's fields after the map
+      return Status::Error(Code::kInvalidManifest, "kernel '" + k.name + "' reads '" + a.name +
+                                                       "' through a TMA descriptor, but the library passes no view "
+                                                       "of it: artifacts and library differ");
+    for (int64_t field : {a.rows, a.cols, a.cols, int64_t(1)}) values[i++] = Arg::Int(field);
   }
   const int64_t grid[3] = {gx, gy, gz};
   return launcher_->launch(kernel, grid, values, i, stream, after_own_launch);

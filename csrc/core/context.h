@@ -21,6 +21,9 @@ namespace flash_reasoning {
 struct NamedArg {
   const char* name;
   Arg value;
+  // A pool: its row-major 2-D view [rows, cols], for a kernel that reads it through a TMA
+  // descriptor (a kTensorMap parameter, followed by the view's fields); ignored otherwise.
+  int64_t rows = 0, cols = 0;
 };
 
 inline Arg pointer_arg(const void* p) { return Arg::UInt(reinterpret_cast<uintptr_t>(p)); }

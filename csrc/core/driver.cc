@@ -41,6 +41,7 @@ bool resolve_all(void* lib, Driver* d, const char** missing) {
   FR_RESOLVE(cuMemcpyDtoH_v2) FR_RESOLVE(cuMemcpyHtoDAsync_v2) FR_RESOLVE(cuStreamSynchronize)
 #undef FR_RESOLVE
   resolve(lib, "cuLaunchKernelEx", &d->cuLaunchKernelEx);  // optional: may stay null
+  resolve(lib, "cuTensorMapEncodeTiled", &d->cuTensorMapEncodeTiled);  // optional too
   return true;
 }
 

@@ -45,6 +45,16 @@ struct CUlaunchConfig {
 static_assert(sizeof(CUlaunchAttribute) == 72, "cuda.h's CUlaunchAttribute is 72 bytes");
 static_assert(sizeof(CUlaunchConfig) == 56, "cuda.h's CUlaunchConfig is 56 bytes");
 
+// A TMA descriptor (cuda.h 12.0+): 128 opaque bytes, aligned as cuda.h 13 aligns it, passed to
+// a kernel by value. cuTensorMapEncodeTiled's enums are plain ints here (CUtensorMapDataType etc.).
+struct alignas(128) CUtensorMap {
+  unsigned long long opaque[16];
+};
+static_assert(sizeof(CUtensorMap) == 128, "cuda.h's CUtensorMap is 128 bytes");
+constexpr int CU_TENSOR_MAP_INTERLEAVE_NONE = 0;
+constexpr int CU_TENSOR_MAP_L2_PROMOTION_L2_128B = 2;
+constexpr int CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 0;  // rows past the view read as zeros
+
 struct Driver {
   CUresult (*cuInit)(unsigned flags);
   CUresult (*cuGetErrorName)(CUresult, const char**);
@@ -70,6 +80,11 @@ struct Driver {
   // Optional (null on drivers before CUDA 12): launches with attributes, here programmatic
   // dependent launch; without it every launch waits for the one before.
   CUresult (*cuLaunchKernelEx)(const CUlaunchConfig*, CUfunction, void** params, void** extra);
+  // Optional (null before CUDA 12): encodes the TMA descriptors of kernels that take them.
+  CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, int data_type, unsigned rank, void* address,
+                                     const unsigned long long* dims, const unsigned long long* strides,
+                                     const unsigned* box, const unsigned* element_strides, int interleave,
+                                     int swizzle, int l2_promotion, int oob_fill);
 
   // "call failed: CUDA_ERROR_X (description)" for a failed driver call.
   Status error(CUresult rc, const std::string& call) const;

@@ -68,7 +68,8 @@ Status LaunchSequence::add(const SequenceLaunch& launch) {
 
 // A hole must name a pointer parameter; a fixed pointer must be as aligned as a filled one.
 Status LaunchSequence::check_arg(const KernelInfo& k, size_t i, const SequenceArg& a, const uint64_t* slots) const {
-  bool pointer = k.params[i].packed.kind == ParamKind::kPointer;
+  // A tensor map's parameter takes its base address, a pointer like any other.
+  bool pointer = k.params[i].packed.kind == ParamKind::kPointer || k.params[i].packed.kind == ParamKind::kTensorMap;
   auto where = [&] { return "kernel '" + k.name + "': " + describe_param(k, i); };
   if (a.hole < -1 || (a.hole >= 0 && size_t(a.hole) >= holes_.size()))
     return invalid(where() + " takes pointer " + std::to_string(a.hole) + ", but the sequence has " +

@@ -56,7 +56,8 @@ Status convert(const KernelInfo& k, size_t i, const Arg& a, uint64_t* slot) {
       std::memcpy(slot, &v, 8);
     }
   } else {
-    ParamType t = p.packed.kind == ParamKind::kPointer ? ParamType{ParamKind::kUnsigned, 8} : p.packed;
+    bool address = p.packed.kind == ParamKind::kPointer || p.packed.kind == ParamKind::kTensorMap;
+    ParamType t = address ? ParamType{ParamKind::kUnsigned, 8} : p.packed;
     uint64_t bits = 0;
     ok = integer_bits(a, t, p.type == "i1", &bits);
     std::memcpy(slot, &bits, t.size);  // little-endian: the low bytes come first
@@ -64,6 +65,41 @@ Status convert(const KernelInfo& k, size_t i, const Arg& a, uint64_t* slot) {
   if (ok) return Status::Ok();
   return Status::Error(Code::kInvalidArgument, "kernel '" + k.name + "': argument " + std::to_string(i) + " ('" +
                                                    p.name + "', " + p.type + ") cannot take " + describe(a));
+}
+
+// A tensor map's view (the kTensorMapFields slots after it, already range-checked as i32/i64)
+// must be one cuTensorMapEncodeTiled takes: row-major, rows 16-byte aligned.
+Status check_tensor_map_view(const KernelInfo& k, size_t i, const uint64_t* fields) {
+  const ParamInfo& p = k.params[i];
+  int64_t rows = int32_t(fields[0]), cols = int32_t(fields[1]), row_stride = int64_t(fields[2]),
+          col_stride = int64_t(fields[3]);
+  int64_t row_bytes = row_stride * p.tensor_map.elem_size;
+  if (rows >= 1 && cols >= 1 && col_stride == 1 && row_stride >= cols && row_bytes % 16 == 0 &&
+      row_bytes < (int64_t(1) << 40))
+    return Status::Ok();
+  return Status::Error(Code::kInvalidArgument,
+                       "kernel '" + k.name + "': tensor map '" + p.name + "' views " + std::to_string(rows) + " x " +
+                           std::to_string(cols) + " elements with strides (" + std::to_string(row_stride) + ", " +
+                           std::to_string(col_stride) + "); it needs rows, cols >= 1, column stride 1 and a row "
+                           "stride >= cols whose bytes are a multiple of 16");
+}
+
+// Encodes a kTensorMap parameter's descriptor from its address slot and the fields after it.
+Status encode_tensor_map(const Driver& d, const KernelInfo& k, size_t i, const uint64_t* slots, CUtensorMap* out) {
+  const TensorMapInfo& t = k.params[i].tensor_map;
+  if (!d.cuTensorMapEncodeTiled)
+    return Status::Error(Code::kDriverUnavailable, "kernel '" + k.name + "' reads through TMA descriptors, but "
+                                                   "this driver has no cuTensorMapEncodeTiled (CUDA 12 or newer)");
+  const uint64_t* f = slots + i + 1;
+  unsigned long long dims[2] = {uint32_t(f[1]), uint32_t(f[0])};  // innermost first: cols, rows
+  unsigned long long strides[1] = {f[2] * uint64_t(t.elem_size)};  // bytes between rows
+  unsigned box[2] = {unsigned(t.box[1]), unsigned(t.box[0])};
+  unsigned element_strides[2] = {1, 1};
+  CUresult rc = d.cuTensorMapEncodeTiled(out, t.data_type, 2, reinterpret_cast<void*>(slots[i]), dims, strides, box,
+                                         element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, t.swizzle,
+                                         CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return rc == CUDA_SUCCESS ? Status::Ok()
+                            : d.error(rc, "cuTensorMapEncodeTiled(" + k.name + ", '" + k.params[i].name + "')");
 }
 
 }  // namespace
@@ -102,6 +138,11 @@ Status Launcher::pack(const KernelInfo& k, const Arg* args, size_t num_args, uin
                                                      " arguments, got " + std::to_string(num_args));
   for (size_t i = 0; i < num_args; ++i) {
     Status st = convert(k, i, args[i], &slots[i]);
+    if (!st.ok()) return st;
+  }
+  for (size_t i = 0; i < num_args; ++i) {  // the manifest put each map's fields after it
+    if (k.params[i].packed.kind != ParamKind::kTensorMap) continue;
+    Status st = check_tensor_map_view(k, i, &slots[i + 1]);
     if (!st.ok()) return st;
   }
   slots[num_args] = slots[num_args + 1] = 0;  // Triton's global and profile scratch: unused (size 0)
@@ -145,7 +186,14 @@ Status Launcher::launch_packed(int index, const int64_t grid[3], const uint64_t*
   if (!(st = function(*d, index, &f)).ok()) return st;
   // cuLaunchKernel only reads the parameters, through non-const pointers.
   void* params[kMaxKernelParams];
-  for (size_t i = 0; i < k.params.size() + 2; ++i) params[i] = const_cast<uint64_t*>(&slots[i]);
+  CUtensorMap maps[kMaxTensorMaps];  // encoded per launch: the address may differ per run
+  int num_maps = 0;
+  for (size_t i = 0; i < k.params.size() + 2; ++i) {
+    params[i] = const_cast<uint64_t*>(&slots[i]);
+    if (i >= k.params.size() || k.params[i].packed.kind != ParamKind::kTensorMap) continue;
+    if (!(st = encode_tensor_map(*d, k, i, slots, &maps[num_maps])).ok()) return st;
+    params[i] = &maps[num_maps++];
+  }
   if (after_own_launch && k.overlaps_previous && d->cuLaunchKernelEx) {
     CUlaunchAttribute overlap = {};
     overlap.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;

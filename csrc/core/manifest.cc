@@ -12,6 +12,7 @@ namespace flash_reasoning {
 
 bool parse_param_type(const std::string& type, ParamType* out) {
   if (!type.empty() && type[0] == '*') { *out = {ParamKind::kPointer, 8}; return true; }
+  if (type == "nvTmaDesc") { *out = {ParamKind::kTensorMap, 128}; return true; }
   // Triton passes i1 as a byte. Scalar fp16/bf16 are not supported (never used by our kernels).
   static const struct { const char* name; ParamType type; } kTable[] = {
       {"i1", {ParamKind::kUnsigned, 1}}, {"i8", {ParamKind::kSigned, 1}},
@@ -85,6 +86,39 @@ bool is_sha256_hex(const std::string& s) {
 // The cubin must stay inside the arch folder.
 bool is_safe_relative(const std::string& p) { return p[0] != '/' && p.find("..") == std::string::npos; }
 
+// A tensor map's "tensor_map": {"data_type", "elem_size", "swizzle", "box": [rows, cols]}.
+Status parse_tensor_map(const Validator& v, const JsonValue& param, const std::string& at, ParamInfo* p) {
+  const JsonValue* map;
+  Status st = v.member(param, "tensor_map", at, &map);
+  if (!st.ok()) return st;
+  std::string where = at + "tensor_map.";
+  if (!map->is_object()) return v.error(at + "tensor_map", "must be an object");
+  TensorMapInfo& t = p->tensor_map;
+  if (!(st = v.integer(*map, "data_type", where, 0, 15, &t.data_type)).ok()) return st;
+  if (!(st = v.integer(*map, "elem_size", where, 1, 8, &t.elem_size)).ok()) return st;
+  if (!(st = v.integer(*map, "swizzle", where, 0, 3, &t.swizzle)).ok()) return st;
+  const JsonValue* box;
+  if (!(st = v.member(*map, "box", where, &box)).ok()) return st;
+  bool ok = box->is_array() && box->items.size() == 2;
+  for (size_t d = 0; ok && d < 2; ++d) {
+    const JsonValue& b = box->items[d];
+    ok = b.is_number() && b.number >= 1 && b.number <= 256 && b.number == double(int(b.number));
+    if (ok) t.box[d] = int(b.number);
+  }
+  return ok ? Status::Ok() : v.error(where + "box", "must be [rows, cols], each an integer in [1, 256]");
+}
+
+// After a tensor map come its view's shape and strides: i32 rows and cols, i64 strides.
+Status check_tensor_map_fields(const Validator& v, const KernelInfo& k, size_t i, const std::string& where) {
+  static const char* kTypes[kTensorMapFields] = {"i32", "i32", "i64", "i64"};
+  for (int f = 0; f < kTensorMapFields; ++f)
+    if (i + 1 + f >= k.params.size() || k.params[i + 1 + f].type != kTypes[f])
+      return v.error(where + "params[" + std::to_string(i + 1 + f) + "].type",
+                     std::string("must be ") + kTypes[f] + ": tensor map '" + k.params[i].name +
+                         "' is followed by its rows, cols (i32), row and column strides (i64)");
+  return Status::Ok();
+}
+
 Status parse_params(const Validator& v, const JsonValue& kernel, const std::string& where, KernelInfo* k) {
   const JsonValue* params;
   Status st = v.member(kernel, "params", where, &params);
@@ -103,7 +137,16 @@ Status parse_params(const Validator& v, const JsonValue& kernel, const std::stri
     bool scratch = i + 2 >= n;
     if (scratch && p.packed.kind != ParamKind::kPointer)
       return v.error(at + "type", "must be a pointer (Triton scratch parameter), got '" + p.type + "'");
+    if (p.packed.kind == ParamKind::kTensorMap && !(st = parse_tensor_map(v, params->items[i], at, &p)).ok())
+      return st;
     if (!scratch) k->params.push_back(std::move(p));
+  }
+  int maps = 0;
+  for (size_t i = 0; i < k->params.size(); ++i) {
+    if (k->params[i].packed.kind != ParamKind::kTensorMap) continue;
+    if (++maps > kMaxTensorMaps)
+      return v.error(where + "params", "has more than " + std::to_string(kMaxTensorMaps) + " tensor maps");
+    if (!(st = check_tensor_map_fields(v, *k, i, where)).ok()) return st;
   }
   return Status::Ok();
 }

@@ -11,18 +11,34 @@
 
 namespace flash_reasoning {
 
-// How one kernel parameter is passed to cuLaunchKernel.
-enum class ParamKind { kPointer, kSigned, kUnsigned, kFloat };
+// How one kernel parameter is passed to cuLaunchKernel. kTensorMap ("nvTmaDesc"): a TMA
+// descriptor (CUtensorMap, 128 bytes) the launcher encodes at each launch; the caller passes
+// its base pointer there and, in the kTensorMapFields parameters after it, the 2-D view's shape
+// and strides in elements (rows i32, cols i32, row stride i64, column stride i64).
+enum class ParamKind { kPointer, kSigned, kUnsigned, kFloat, kTensorMap };
 
 struct ParamType {
   ParamKind kind;
-  int size;  // bytes in the kernel's parameter buffer (1, 2, 4 or 8)
+  int size;  // bytes in the kernel's parameter buffer (1, 2, 4 or 8; 128 for a tensor map)
 };
+
+// How a kTensorMap parameter's descriptor is encoded (cuTensorMapEncodeTiled's arguments the
+// compiled kernel fixed): from the manifest's "tensor_map" of the parameter.
+struct TensorMapInfo {
+  int data_type = 0;  // CUtensorMapDataType
+  int elem_size = 0;  // bytes
+  int swizzle = 0;    // CUtensorMapSwizzle
+  int box[2] = {0, 0};  // the tile one load reads: rows, columns
+};
+
+constexpr int kTensorMapFields = 4;  // rows, cols, row_stride, col_stride
+constexpr int kMaxTensorMaps = 4;    // per kernel: the launcher encodes them on its stack
 
 struct ParamInfo {
   std::string name;
-  std::string type;  // as written in the manifest, e.g. "*fp16", "i32"
+  std::string type;  // as written in the manifest, e.g. "*fp16", "i32", "nvTmaDesc"
   ParamType packed;
+  TensorMapInfo tensor_map;  // kTensorMap only
 };
 
 struct KernelInfo {

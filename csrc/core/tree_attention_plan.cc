@@ -214,11 +214,14 @@ Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_p
   auto device = [](CUdeviceptr p) { return pointer_arg(reinterpret_cast<void*>(p)); };
   Arg scale = Arg::Float(shape_.scale_log2()), qo = Arg::Int(shape_.num_qo_heads), kv = Arg::Int(shape_.num_kv_heads),
       page = Arg::Int(shape_.block_size), cols = Arg::Int(max_blocks_);
+  // The pools as [slots, KV heads x head_dim], for partial kernels that read them through TMA.
+  int64_t slots = shape_.num_blocks * shape_.block_size, row = shape_.num_kv_heads * shape_.head_dim;
   for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i) {
     const ItemList& items = plan_.items[i];
     auto [gx, gy] = ordered_grid(items.count(), shape_.num_kv_heads, items.heads_first);
     st = ctx_.launch(partial_kernels_[i], gx, gy, 1,
-                     {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
+                     {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool), slots, row},
+                      {"v_pool", pointer_arg(v_pool), slots, row},
                       {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
                       {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
                       {"entry_slot", work(kEntrySlot)}, {"partial_out", device(d_partial_out_)},

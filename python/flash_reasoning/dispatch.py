@@ -300,6 +300,21 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
     return make_spec(MERGE_SPLITS, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
 
 
+#: head_dims whose wide contiguous walk reads K/V through TMA descriptors on sm90 (the one
+#: measured: :func:`reads_through_tensor_maps`).
+TENSOR_MAP_HEAD_DIMS = (128,)
+
+
+def reads_through_tensor_maps(arch: str, head_dim: int, block_m: int, contiguous: int) -> int:
+    """``tree_partial``'s ``TMA`` constexpr: 1 where the wide tile's contiguous walk loads its K/V
+    tiles through TMA descriptors the launcher encodes on the host (sm90, head_dim
+    :data:`TENSOR_MAP_HEAD_DIMS`): H100, ft_1,1024/q32kv8's root launch 90.4 -> 81.0 us, the
+    whole step 159 -> 148 (docs/perf.md session 31). Descriptors built by each program instead
+    cost short programs more than they save (session 30)."""
+    return int(arch == "sm90" and contiguous > 0 and block_m == TREE_BLOCK_MS[1]
+               and head_dim in TENSOR_MAP_HEAD_DIMS)
+
+
 def grid_dependency(arch: str) -> int:
     """The tree kernels' ``PDL`` constexpr on ``arch``: 1 where the GPU has programmatic
     dependent launch (sm90). The final (or merge) launch then starts while the partial launch
@@ -340,7 +355,9 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
                                                   block_m=block_m, contiguous=contiguous)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
                      BLOCK_N=block_n, PAGE=0 if contiguous else compiled_page(page_size),
-                     CONTIGUOUS=int(contiguous), PDL=grid_dependency(arch))
+                     CONTIGUOUS=int(contiguous),
+                     TMA=reads_through_tensor_maps(arch, head_dim, block_m, contiguous),
+                     PDL=grid_dependency(arch))
 
 
 @functools.lru_cache(maxsize=None)

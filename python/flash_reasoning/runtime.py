@@ -23,11 +23,27 @@ POINTER_ALIGN = 16
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch: ``args`` follow the spec's family params (tensor, int, float or None
-    for a pointer the kernel does not touch in this specialization)."""
+    """One kernel launch: ``args`` follow the spec's family params (tensor, int, float, None
+    for a pointer the kernel does not touch in this specialization, or a :class:`TensorMap` for
+    each of the spec's ``tensor_maps``)."""
     spec: Spec
     grid: tuple[int, int, int]
     args: tuple
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """A pointer parameter the kernel reads through a TMA descriptor (``Spec.tensor_maps``):
+    ``base`` (a tensor, or a placeholder for one) as a row-major ``[rows, cols]`` matrix. It
+    fills the parameter and the :data:`~flash_reasoning.specializations.TENSOR_MAP_FIELDS`
+    after it; the launcher encodes the descriptor at each launch from the pointer and those."""
+    base: object
+    rows: int
+    cols: int
+
+    def fields(self) -> tuple[int, int, int, int]:
+        """The values of ``TENSOR_MAP_FIELDS``: the shape, then the strides (elements)."""
+        return self.rows, self.cols, self.cols, 1
 
 
 def artifact_root() -> Path:
@@ -97,7 +113,7 @@ def run(launches: Sequence[Launch], device: torch.device) -> None:
     launcher = _launcher_for(device.index)
     stream = current_raw_stream(device.index)
     for launch in launches:
-        launcher.launch(launch.spec.name, launch.grid, [_raw(a) for a in launch.args], stream)
+        launcher.launch(launch.spec.name, launch.grid, _raw_args(launch.args), stream)
 
 
 def prepare(build: Callable[..., Sequence[Launch]], holes: Sequence[str], device: torch.device):
@@ -109,7 +125,7 @@ def prepare(build: Callable[..., Sequence[Launch]], holes: Sequence[str], device
     and launches, without converting anything else again."""
     from . import _launcher
     launches = build(*(_launcher.Hole(i) for i in range(len(holes))))
-    specs = [(launch.spec.name, launch.grid, [_raw(a) for a in launch.args])
+    specs = [(launch.spec.name, launch.grid, _raw_args(launch.args))
              for launch in launches]  # _raw keeps the placeholders: they are not tensors
     return _launcher_for(device.index).prepare(specs, list(holes))
 
@@ -124,6 +140,18 @@ def _raw_stream_getter() -> Callable[[int], int]:
 
 #: The cudaStream_t of torch's current stream on a device index (resolved once, at import).
 current_raw_stream = _raw_stream_getter()
+
+
+def _raw_args(args: Sequence) -> list:
+    """The launcher's values of a launch's ``args``: one per kernel parameter, each
+    :class:`TensorMap` spread over its parameter and the fields after it."""
+    values = []
+    for arg in args:
+        if isinstance(arg, TensorMap):
+            values += [_raw(arg.base), *arg.fields()]
+        else:
+            values.append(_raw(arg))
+    return values
 
 
 def _raw(arg):

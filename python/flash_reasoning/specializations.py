@@ -12,6 +12,11 @@ from dataclasses import dataclass
 #: torch dtype name -> Triton's name for it in signatures and kernel names.
 DTYPES = {"float16": "fp16", "bfloat16": "bf16"}
 
+#: What follows each tensor-map parameter in a compiled kernel's parameter list (Triton's host
+#: descriptors on sm90): the view's shape, then its strides, in elements.
+TENSOR_MAP_FIELDS = (("rows", "i32"), ("cols", "i32"), ("row_stride", "i64"),
+                     ("col_stride", "i64"))
+
 #: Triton appends these two pointer parameters to every compiled kernel; the launcher
 #: passes null for both (the build rejects kernels that need scratch memory).
 SCRATCH_PARAMS = (("global_scratch", "*i8"), ("profile_scratch", "*i8"))
@@ -21,7 +26,11 @@ SCRATCH_PARAMS = (("global_scratch", "*i8"), ("profile_scratch", "*i8"))
 class Family:
     """One ``@triton.jit`` kernel: its runtime parameters (in order) and its constexprs.
 
-    A parameter type ``"*{dt}"`` is filled with the specialization's dtype. ``waits_for_previous``:
+    A parameter type ``"*{dt}"`` is filled with the specialization's dtype. ``tensor_maps``: the
+    pointer parameters a specialization with constexpr ``TMA`` 1 takes as TMA descriptors instead
+    (Triton's host tensor descriptors: :meth:`Spec.signature`, :meth:`Spec.runtime_params`), each
+    a 2-D row-major view read in tiles of the constexprs ``tensor_map_tile`` names (rows, columns).
+    ``waits_for_previous``:
     compiled with grid dependency control (constexpr ``PDL`` 1), the kernel waits for the
     launch before it before reading anything that launch wrote and before it ends, so it may be
     launched to overlap it (programmatic dependent launch), and a launch that waits for it has
@@ -31,6 +40,8 @@ class Family:
     params: tuple[tuple[str, str], ...]
     constexprs: tuple[str, ...]
     waits_for_previous: bool = False
+    tensor_maps: tuple[str, ...] = ()
+    tensor_map_tile: tuple[str, str] = ("", "")
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -88,8 +99,11 @@ TREE_PARTIAL = Family(
     params=_TREE_PAGED + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
     + (("early_final", "i32"), ("heads_first", "i32")),
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "CONTIGUOUS", "PDL"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "CONTIGUOUS", "TMA", "PDL"),
     waits_for_previous=True,  # a second partial launch overlaps the first (one per row tile)
+    # TMA (contiguous items only): the pools as [slots, kv_heads * head_dim], a token tile per load
+    tensor_maps=("k_pool", "v_pool"),
+    tensor_map_tile=("BLOCK_N", "HEAD_DIM"),
 )
 
 TREE_FINAL = Family(
@@ -144,13 +158,43 @@ class Spec:
         return {"dtype": self.dtype, **dict(self.constexprs),
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
+    @property
+    def tensor_maps(self) -> tuple[str, ...]:
+        """The parameters this specialization reads through TMA descriptors (none unless its
+        constexpr ``TMA`` is 1)."""
+        family = FAMILIES[self.family]
+        return family.tensor_maps if dict(self.constexprs).get("TMA") else ()
+
+    def tensor_map_tile(self) -> tuple[int, int]:
+        """(rows, columns) of the tile each descriptor load reads."""
+        constexprs = dict(self.constexprs)
+        return tuple(constexprs[name] for name in FAMILIES[self.family].tensor_map_tile)
+
     def signature(self) -> dict[str, str]:
         """Triton signature: runtime params with types, then constexprs."""
         family = FAMILIES[self.family]
         dt = DTYPES.get(self.dtype, "")
         sig = {name: typ.format(dt=dt) for name, typ in family.params}
+        for name in self.tensor_maps:
+            rows, cols = self.tensor_map_tile()
+            sig[name] = f"tensordesc<{dt}[{rows}, {cols}]>"
         sig.update({name: "constexpr" for name in family.constexprs})
         return sig
+
+    def runtime_params(self) -> list[tuple[str, str]]:
+        """The compiled kernel's parameters (name, manifest type), before Triton's scratch
+        pointers: the family's, each tensor map as ``nvTmaDesc`` followed by its
+        :data:`TENSOR_MAP_FIELDS` (named ``<param>_<field>``)."""
+        params = []
+        for name, typ in self.signature().items():
+            if typ == "constexpr":
+                continue
+            if name not in self.tensor_maps:
+                params.append((name, typ))
+                continue
+            params.append((name, "nvTmaDesc"))
+            params += [(f"{name}_{field}", ftyp) for field, ftyp in TENSOR_MAP_FIELDS]
+        return params
 
 
 def make_spec(family: Family, dtype: str | None, num_warps: int, num_stages: int,

@@ -48,7 +48,7 @@ typedef enum frStatus {
   FR_NOT_FOUND = 2,           /* artifact folder, manifest or kernel missing */
   FR_INVALID_MANIFEST = 3,    /* manifest.json unreadable or from another package version */
   FR_CORRUPTED_ARTIFACT = 4,  /* a cubin's sha256 differs from the manifest's */
-  FR_DRIVER_UNAVAILABLE = 5,  /* libcuda cannot be loaded: no NVIDIA driver */
+  FR_DRIVER_UNAVAILABLE = 5,  /* libcuda cannot be loaded (no NVIDIA driver) or lacks a needed entry */
   FR_CUDA_ERROR = 6,          /* a driver call failed (the message names it) */
   FR_UNSUPPORTED_ARCH = 7,    /* no compiled arch serves this device */
   FR_IO_ERROR = 8,            /* a file exists but cannot be read */

@@ -11,6 +11,7 @@ same plan with the PyTorch path.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from typing import Sequence
@@ -20,7 +21,7 @@ import torch
 
 from .. import dispatch, log, planner, runtime, specializations, torch_path
 from ..allocator import PhysicalKVAllocator
-from ..runtime import POINTER_ALIGN, Launch
+from ..runtime import POINTER_ALIGN, Launch, TensorMap
 from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
 from .paged_decode import decode_scalars
 
@@ -169,7 +170,13 @@ class TreeAttentionPlan:
         templates built with the plan, completed with this call's tensors (or, for ``run``'s
         prepared launches, with placeholders for their pointers)."""
         given = dict(zip(PER_CALL_POINTERS, (q, k_pool, v_pool, out)))
-        return [Launch(spec, grid, tuple(given[a] if isinstance(a, str) else a for a in args))
+
+        def complete(arg):
+            if isinstance(arg, TensorMap):
+                return dataclasses.replace(arg, base=complete(arg.base))
+            return given[arg] if isinstance(arg, str) else arg
+
+        return [Launch(spec, grid, tuple(map(complete, args)))
                 for spec, grid, args in self._templates]
 
     def _launch_templates(self, lengths: np.ndarray) -> list[tuple]:
@@ -186,14 +193,15 @@ class TreeAttentionPlan:
         scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
                    self.allocator.block_size, self.tables.shape[1])
         paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
-        templates = [
-            (self._partial_spec(dtype, block_m, tokens, records.shape[0] * kv_heads),
-             ordered_grid(records.shape[0], kv_heads, self.arrays.heads_first[block_m]),
-             paged + (self._order, items, self._entry_slot, self.partial_out,
-                      self.partial_lse) + scalars
-             + (int(self.arrays.early_final), int(self.arrays.heads_first[block_m])))
-            for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
-                                                         self.launch_max_tokens)]
+        templates = []
+        for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
+                                                     self.launch_max_tokens):
+            spec = self._partial_spec(dtype, block_m, tokens, records.shape[0] * kv_heads)
+            templates.append(
+                (spec, ordered_grid(records.shape[0], kv_heads, self.arrays.heads_first[block_m]),
+                 self._pool_args(spec, paged) + (self._order, items, self._entry_slot,
+                                                 self.partial_out, self.partial_lse) + scalars
+                 + (int(self.arrays.early_final), int(self.arrays.heads_first[block_m]))))
         if self.arrays.separate_merge:
             templates.append((dispatch.tree_merge_spec(dtype, self.head_dim, self.arch),
                               (self.num_branches, self.num_qo_heads, 1),
@@ -222,6 +230,15 @@ class TreeAttentionPlan:
                           + scalars + (self.num_branches, lanes,
                                        int(self.arrays.final_heads_first))))
         return templates
+
+    def _pool_args(self, spec, paged: tuple) -> tuple:
+        """``paged`` with each pool ``spec`` reads through a TMA descriptor as a
+        :class:`TensorMap` of [slots, KV heads x head_dim]."""
+        pool = self.allocator.k_pools[0]
+        rows, cols = pool.shape[0] * pool.shape[1], pool.shape[2] * pool.shape[3]
+        names = specializations.FAMILIES[spec.family].param_names
+        return tuple(TensorMap(arg, rows, cols) if name in spec.tensor_maps else arg
+                     for name, arg in zip(names, paged))
 
     def _partial_spec(self, dtype: str, block_m: int, max_tokens: int, programs: int):
         """The partial launch of the ``block_m``-row tile: its kernel reads each range through
