@@ -7,7 +7,12 @@
 #     run time), and examples/cpp compiles, links and loads against it (no GPU, no CUDA toolkit).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-work=${FLASH_REASONING_CI_DIR:-$(mktemp -d)}
+if [ -n "${FLASH_REASONING_CI_DIR:-}" ]; then
+  work=$FLASH_REASONING_CI_DIR  # kept, to look at
+else
+  work=$(mktemp -d)  # two venvs with torch: ~2.7 GB a run, removed however the run ends
+  trap 'rm -rf "$work"' EXIT
+fi
 echo "ci: working in $work"
 
 python3 -m venv "$work/dev"
