@@ -97,10 +97,11 @@ def _describe_tensor_maps(spec: Spec, params: list[dict], described: list | None
     rows, columns), from the compiled kernel's descriptor metadata; fails where the kernel did
     not lower its descriptors to TMA (Triton then expects other parameters)."""
     maps = [p for p in params if p["type"] == "nvTmaDesc"]
-    if len(maps) != len(described or []) or any(d is None for d in described or []):
+    described = described or []
+    if len(maps) != len(described) or None in described:
         raise RuntimeError(f"{spec.name}: Triton describes descriptors {described} for the "
                            f"tensor maps {[p['name'] for p in maps]}: they were not lowered to TMA")
-    for param, desc in zip(maps, described or []):
+    for param, desc in zip(maps, described):
         if desc["elem_type"] not in _TENSOR_MAP_DATA_TYPES or desc["fp4_padded"]:
             raise RuntimeError(f"{spec.name}: tensor map {param['name']} has element type "
                                f"{desc['elem_type']}, which the launcher does not encode")

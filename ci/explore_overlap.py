@@ -44,7 +44,8 @@ def jit_runs(launches, module, pdl):
     def run(launch, last):
         fn = getattr(module, launch.spec.family)
         constexprs = {**dict(launch.spec.constexprs), "PDL": int(pdl)}
-        return lambda: fn[launch.grid](*triton_args(launch), **constexprs, num_warps=launch.spec.num_warps,
+        args = triton_args(launch)
+        return lambda: fn[launch.grid](*args, **constexprs, num_warps=launch.spec.num_warps,
                                        num_stages=launch.spec.num_stages, launch_pdl=pdl and last)
     runs = [run(launch, i == len(launches) - 1) for i, launch in enumerate(launches)]
     return lambda: [r() for r in runs]
