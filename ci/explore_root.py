@@ -120,8 +120,8 @@ def root_kernel(q, k_pool, v_pool, tables, ranges, out, lse_out, sm_scale_log2,
     end = tl.load(ranges + item * 4 + 2)
     if SHIPPED and CONTIGUOUS:
         m_i, l_i, acc = attend_runs(qt, k_pool, v_pool, table, max_blocks * PAGE, kv_head,
-                                    num_kv_heads, PAGE, start, end, end, sm_scale_log2, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, 1)
+                                    num_kv_heads, PAGE, start, end, end, sm_scale_log2,
+                                    HEAD_DIM, BLOCK_M, BLOCK_N, 1, 0)
     elif SHIPPED:
         m_i, l_i, acc = attend(qt, k_pool, v_pool, table, max_blocks * PAGE, kv_head,
                                num_kv_heads, PAGE, start, end, sm_scale_log2, HEAD_DIM, BLOCK_M,

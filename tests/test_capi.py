@@ -581,11 +581,12 @@ def deep_tree(dtype, head_dim, device="cuda", block_size=16):
     return case_allocator(case, device=device, block_size=block_size)
 
 
-def folded_tree(dtype, head_dim, device="cuda", block_size=16):
-    """ft_1,4,16,512's tree: the 1024-token root folded into its four children's items, each
-    read as two runs of slots (the root's pages, then the child's: the two-run kernel)."""
+def hosted_tree(dtype, head_dim, device="cuda", block_size=16):
+    """ft_1,4,16,512/q32kv32's tree: each of its four level-1 nodes is two wide tiles of the
+    1024-token root's rows, so the root's items read on through it (hosted), each item's range
+    two runs of slots (the root's pages, then the child's: the two-run kernel)."""
     from flash_reasoning.bench import case_allocator, load_cases
-    case = next(c for c in load_cases()["cases"] if c["name"] == "ft_1,4,16,512/q32kv8")
+    case = next(c for c in load_cases()["cases"] if c["name"] == "ft_1,4,16,512/q32kv32")
     case = dict(case, head_dim=head_dim, dtype=str(dtype).split(".")[-1])
     return case_allocator(case, device=device, block_size=block_size)
 
@@ -609,16 +610,16 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
 @pytest.mark.parametrize("block_size, page", [(16, "_page16_"), (8, "_page0_")])
 @pytest.mark.parametrize("make_tree, runs", [(long_branches_tree, 0), (seed_like_tree, 1),
                                              (packed_tree, 1), (wide_packed_tree, 1),
-                                             (folded_tree, 2), (unshared_tree, None),
+                                             (hosted_tree, 2), (unshared_tree, None),
                                              (deep_tree, None)])
 def test_plan_kernels_agree_with_python(api, host_context, make_tree, runs, block_size, page):
     """The C ABI launches the kernels Python's dispatch picks, by name: a pool of 16-token
     blocks takes the kernels compiled for that page size, any other size the generic ones. The
     roots lie in consecutive pages: their partial launch reads them as one run of slots, except
     where it also holds the branches' open chunks (long_branches_tree merges separately), and
-    as two where the root is folded into its children (folded_tree). A plan with no partials
-    launches paged_decode's kernel alone (unshared_tree), or, where its final programs share
-    ranges (deep_tree), the COMMON final kernel alone; eight lanes of group 4
+    as two where the root's items read on through its children (hosted_tree). A plan with no
+    partials launches paged_decode's kernel alone (unshared_tree), or, where its final programs
+    share ranges (deep_tree), the COMMON final kernel alone; eight lanes of group 4
     (wide_packed_tree, deep_tree) take the wide final tile's kernel."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
@@ -697,7 +698,7 @@ def test_wide_token_rows_order_the_packed_final_launch():
 
 @gpu
 @pytest.mark.parametrize("make_tree", [random_tree, seed_like_tree, long_branches_tree, packed_tree,
-                                       wide_packed_tree, unshared_tree, deep_tree, folded_tree])
+                                       wide_packed_tree, unshared_tree, deep_tree, hosted_tree])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 128), (torch.bfloat16, 64),
                                              (torch.float16, 256)])  # 256: 4 KB rows, heads first
 def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, head_dim):

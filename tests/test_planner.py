@@ -86,13 +86,13 @@ def check_plan(tree, arrays, group):
 @given(branches=st.integers(1, 40), depth=st.integers(1, 10), tokens=st.integers(0, 70),
        group=st.sampled_from([1, 2, 4, 8, 16]), chunk=st.sampled_from([None, 64, 128]),
        merge=st.sampled_from([None, False, True]), one_tile=st.sampled_from([None, False, True]),
-       seed=st.integers(0, 2**16))
+       absorb=st.sampled_from([None, False]), seed=st.integers(0, 2**16))
 def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, merge, one_tile,
-                                     seed):
+                                     absorb, seed):
     alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
     ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=1 + seed % 2)
     tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk, separate_merge=merge,
-                            one_tile=one_tile)
+                            one_tile=one_tile, absorb=absorb)
     check_plan(tree, arrays, group)
     if merge is not None:
         assert arrays.separate_merge == merge
@@ -308,7 +308,7 @@ def test_the_final_tile_holds_packed_lanes_only(heads, lanes, block_m):
 
 
 @pytest.mark.parametrize("name, early", [
-    ("ft_1,4,16,512/q32kv8", True),   # 512 partial programs: over 2 per SM
+    ("ft_1,4,16,512/q32kv8", True),   # 256 partial programs of 1408 tokens
     ("ft_1,1024/q32kv8", True),
     ("seed_b256/q32kv8", True),       # 256: one wave of compute-bound root programs
     ("ft_1,2,64/q32kv8", True),       # 32: SMs left free beside them
@@ -449,16 +449,38 @@ def test_few_waves_of_unequal_items_run_each_items_heads_together(lengths, items
 
 
 def test_plans_order_their_launches_by_item_lengths():
-    """ft_1,4,16,512/q32kv8's partial launch (a folded root's 1280-token items, then 128-token
-    ones, 3.9 programs per SM) runs each item's heads together; /q32kv32's (7.8 programs per SM)
-    and seed_b256's root (equal chunks), each head's items."""
+    """Each node with items of its own (``absorb=False``), ft_1,4,16,512/q32kv8's partial launch
+    (a folded root's 1280-token items, then 128-token ones, 3.9 programs per SM) runs each item's
+    heads together; /q32kv32's (7.8 programs per SM) and seed_b256's root (equal chunks), each
+    head's items."""
     for name, expected in (("ft_1,4,16,512/q32kv8", {64: True}),
                            ("ft_1,4,16,512/q32kv32", {64: False}),
                            ("seed_b256/q32kv8", {64: False})):
         case = next(c for c in load_cases()["cases"] if c["name"] == name)
         alloc, leaves = case_allocator(case, device="cpu")
-        tree, arrays = plan_for(alloc, leaves, 32)
+        tree, arrays = plan_for(alloc, leaves, 32, absorb=False)
         assert arrays.heads_first == expected, name
+
+
+@pytest.mark.parametrize("name, lengths, entries", [
+    ("ft_1,4,16,512/q32kv8", {1408}, 512),               # level 2: two tiles of level 1's rows
+    ("ft_1,4,16,512/q32kv32", {1280, 128}, 1024)])       # level 1 in the root's; level 2: half
+def test_nodes_whose_rows_are_whole_tiles_are_read_in_their_host_items(name, lengths, entries):
+    """A computed node whose (branch, head) rows are whole wide tiles of its nearest computed
+    ancestor's has no items: those tiles read on through its tokens, and its branches merge one
+    partial fewer; a node of half a tile keeps its own (``absorb=False``: every node its own)."""
+    case = next(c for c in load_cases()["cases"] if c["name"] == name)
+    alloc, leaves = case_allocator(case, device="cpu")
+    start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
+    for absorb in (None, False):
+        tree, arrays = plan_for(alloc, leaves, 32, absorb=absorb)
+        check_plan(tree, arrays, 32 // case["num_kv_heads"])
+        records = arrays.items[64]
+        if absorb is None:
+            assert set((records[:, end] - records[:, start]).tolist()) == lengths
+            assert arrays.num_entries == entries
+        else:
+            assert arrays.num_entries > entries
 
 
 @pytest.mark.parametrize("lanes, common, programs, row_bytes, heads_first", [

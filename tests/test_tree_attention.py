@@ -490,6 +490,25 @@ def test_wide_tiles_interpreted_with_any_scale(sm_scale):
     check(out, q, alloc, leaves, sm_scale=sm_scale)
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hosted_nodes_interpreted(dtype):
+    """A computed root over two computed children whose 8 branches x GQA group 8 fill one wide
+    tile each: the root's tiles read on through their child's tokens (one item per tile, one
+    partial per branch), and the output matches the reference."""
+    alloc = PhysicalKVAllocator(160, 8, 1, 64, dtype=dtype, device="cpu")
+    gen = torch.Generator().manual_seed(4)
+    leaves = build_branches(alloc, from_levels([1, 2, 16], [530, 45, 3]),
+                            lambda node, layer, n: random_kv(alloc, gen, n))
+    q = queries(alloc, leaves, 8)
+    plan, out = interpret(alloc, leaves, q, flat=False, target_chunk=1024)
+    records = plan.arrays.items[64]
+    start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
+    assert (records[:, start] == 0).all() and (records[:, end] == records[0, end]).all()
+    assert len(records) == 2 and plan.arrays.num_entries == len(leaves)
+    check(out, q, alloc, leaves)
+
+
 # ---- the PyTorch path (the same plan, on CPU) -------------------------------------------------
 
 @settings(max_examples=40, deadline=None)
@@ -690,7 +709,7 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
     ("seed_b256/q32kv8", False, False), ("seed_b256/q32kv8", True, False),
     ("seed_b256/q32kv8", False, True), ("seed_b256/q32kv8", True, True),
     ("ft_1,4,16,512/q32kv8", False, True),  # the widest window: many short partial programs
-])
+])                                          # (each node its own items)
 def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
     """On sm90 the final (or merge) launch starts while the partial launch ends (or, with
     ``early_final``, once its programs start), and waits for it only before merging: partials
@@ -698,7 +717,7 @@ def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
     alloc, leaves = case_allocator(next(c for c in load_cases()["cases"] if c["name"] == name))
     q = queries(alloc, leaves, 32)
     plan = TreeAttentionPlan(alloc, leaves, 32, separate_merge=separate, flat=False,
-                             early_final=early)
+                             early_final=early, absorb=False)
     last = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)[-1].spec
     assert last.family == ("tree_merge" if separate else "tree_final")
     assert last.overlaps_previous == (plan.arch == "sm90")

@@ -72,30 +72,88 @@ void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_
   }
 }
 
-// The ranges a plan reads: computed nodes first, then each row's final range.
+// The ranges a plan reads: computed nodes first, then each row's final range. A range is read
+// by the rows order[row_ptr:+rows], in tiles of tile_rows(basis x group) flattened rows (the
+// tile of the node it was cut from).
 struct Ranges {
-  std::vector<int64_t> lo, hi, rows, row_ptr, table_row;
+  std::vector<int64_t> lo, hi, rows, row_ptr, table_row, basis;
   int64_t num_computed = 0;
 
-  void add(int64_t l, int64_t h, int64_t r, int64_t ptr, int64_t table) {
+  void add(int64_t l, int64_t h, int64_t r, int64_t ptr, int64_t table, int64_t tile_basis) {
     lo.push_back(l), hi.push_back(h), rows.push_back(r), row_ptr.push_back(ptr), table_row.push_back(table);
+    basis.push_back(tile_basis);
   }
 };
 
-Ranges collect_ranges(const SegmentTree& t, const std::vector<char>& fold, const std::vector<int64_t>& eff_start) {
-  Ranges r;
+// Per computed node, the computed node whose range its tokens are read in: itself, or, where
+// `absorb`, the nearest computed ancestor's where the node's rows are whole row tiles of that
+// ancestor's range (their first and last tile boundaries fall on the node's). Those tiles then
+// read on through the node's tokens (their range ends at its end), so the node needs no items
+// and its rows one partial fewer. H100, docs/perf.md session 34: ft_1,4,16,512/q32kv8, whose
+// level-2 nodes are two tiles each of their level-1 items' rows: no 128-token items left to run
+// after the 1280-token ones.
+std::vector<int64_t> range_hosts(const SegmentTree& t, const std::vector<char>& fold, const PlanShape& shape,
+                                 bool one_tile, bool absorb) {
+  std::vector<int64_t> host(t.num_nodes(), -1), above(t.num_nodes(), -1);  // above: nearest computed ancestor
   for (int64_t v = 0; v < t.num_nodes(); ++v) {
+    int64_t up = t.node_parent[v];
+    if (up >= 0) above[v] = fold[up] ? above[up] : up;
     if (fold[v]) continue;
-    r.add(eff_start[v], t.node_end[v], t.node_hi[v] - t.node_lo[v], t.node_lo[v], t.order[t.node_lo[v]]);
-    ++r.num_computed;
+    host[v] = v;
+    int64_t h = above[v] >= 0 ? host[above[v]] : -1;
+    if (!absorb || h < 0) continue;
+    int64_t rows = t.node_hi[h] - t.node_lo[h];
+    int64_t tile = one_tile ? shape.block_ms[1] : tile_rows(rows * shape.group(), shape);
+    bool first_aligned = (t.node_lo[v] - t.node_lo[h]) * shape.group() % tile == 0;
+    bool last_aligned = t.node_hi[v] == t.node_hi[h] || (t.node_hi[v] - t.node_lo[h]) * shape.group() % tile == 0;
+    if (first_aligned && last_aligned) host[v] = h;
   }
+  return host;
+}
+
+// The ranges of computed node `h` and the nodes it hosts (`hosted`, pre-order): its rows cut
+// where a hosted node's rows begin or end, each piece read from h's start to the end of the
+// deepest hosted node above its rows.
+void add_host_ranges(const SegmentTree& t, const std::vector<int64_t>& eff_start, int64_t h,
+                     const std::vector<int64_t>& hosted, Ranges* r) {
+  int64_t rows = t.node_hi[h] - t.node_lo[h];
+  auto piece = [&](int64_t node, int64_t from, int64_t to) {
+    if (from < to) r->add(eff_start[h], t.node_end[node], to - from, from, t.order[from], rows);
+  };
+  std::vector<int64_t> open = {h};  // the hosted nodes whose rows the sweep is inside
+  int64_t at = t.node_lo[h];
+  for (int64_t v : hosted) {
+    for (; t.node_hi[open.back()] <= t.node_lo[v]; open.pop_back()) {
+      piece(open.back(), at, t.node_hi[open.back()]);
+      at = t.node_hi[open.back()];
+    }
+    piece(open.back(), at, t.node_lo[v]);
+    at = t.node_lo[v];
+    open.push_back(v);
+  }
+  for (; !open.empty(); open.pop_back()) {
+    piece(open.back(), at, t.node_hi[open.back()]);
+    at = t.node_hi[open.back()];
+  }
+}
+
+Ranges collect_ranges(const SegmentTree& t, const std::vector<char>& fold, const std::vector<int64_t>& eff_start,
+                      const PlanShape& shape, bool one_tile, bool absorb) {
+  Ranges r;
+  std::vector<int64_t> host = range_hosts(t, fold, shape, one_tile, absorb);
+  std::vector<std::vector<int64_t>> hosted(t.num_nodes());
+  for (int64_t v = 0; v < t.num_nodes(); ++v)
+    if (host[v] >= 0 && host[v] != v) hosted[host[v]].push_back(v);
+  for (int64_t v = 0; v < t.num_nodes(); ++v)
+    if (host[v] == v) add_host_ranges(t, eff_start, v, hosted[v], &r);
+  r.num_computed = int64_t(r.lo.size());
   std::vector<int64_t> position(t.num_rows());
   for (int64_t i = 0; i < t.num_rows(); ++i) position[t.order[i]] = i;
   for (int64_t b = 0; b < t.num_rows(); ++b) {
     // A row's final range: its end node's folded range, or nothing when that node is computed.
     int64_t end = t.end_node[b];
     int64_t start = end < 0 ? 0 : fold[end] ? eff_start[end] : t.lengths[b];
-    r.add(start, t.lengths[b], 1, position[b], b);
+    r.add(start, t.lengths[b], 1, position[b], b, 1);
   }
   return r;
 }
@@ -475,12 +533,12 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   std::vector<char> fold;
   std::vector<int64_t> eff_start;
   fold_decisions(tree, shape, options.reread_weight, flat, &fold, &eff_start);
-  Ranges r = collect_ranges(tree, fold, eff_start);
+  Ranges r = collect_ranges(tree, fold, eff_start, shape, one_tile, options.absorb != 0);
   size_t num_ranges = r.lo.size();
   std::vector<int64_t> length(num_ranges), block_m(num_ranges), programs(num_ranges);
   for (size_t k = 0; k < num_ranges; ++k) {
     length[k] = r.hi[k] - r.lo[k];
-    block_m[k] = one_tile ? shape.block_ms[1] : tile_rows(r.rows[k] * shape.group(), shape);
+    block_m[k] = one_tile ? shape.block_ms[1] : tile_rows(r.basis[k] * shape.group(), shape);
     programs[k] = ceil_div(r.rows[k] * shape.group(), block_m[k]) * shape.num_kv_heads;
   }
   Plan p;

@@ -6,6 +6,9 @@
 // own range. The cost model folds a node when re-reading its KV costs less than the partials it
 // would write; an exclusive leaf always folds into its branch.
 //
+// A computed node whose rows are whole row tiles of its nearest computed ancestor's range is
+// *hosted* there: those tiles read on through its tokens, and it has no items of its own.
+//
 // Each branch ends with a *final range* (what is left of its path after the computed nodes,
 // read through its own block table): the final kernel computes it, merges the branch's partials
 // and writes the output. Long ranges are cut into chunks so the grid fills the GPU; every chunk
@@ -201,6 +204,7 @@ struct PlanOptions {
   int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_wide_final_lanes()
   int one_tile = -1;         // -1: by estimated_us() (above); 0: each range's own tile; 1: all wide
   int early_final = -1;      // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
+  int absorb = -1;           // -1 or 1: hosted nodes read in their host's tiles; 0: each its own (tests)
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
@@ -234,7 +238,7 @@ struct Plan {
   std::vector<ItemList> items;  // by increasing block_m, only tiles in use
   std::vector<int32_t> final_start, merge_ptr, entry_slot;
   int64_t num_entries = 0;
-  int64_t computed_nodes = 0;
+  int64_t computed_nodes = 0;  // computed ranges: a node that hosts others, one per piece of its rows
   int64_t chunk_tokens = 0;
   bool separate_merge = false;
   int64_t final_lanes = 1;  // branches per final-kernel program (1 when merging separately)
@@ -270,9 +274,10 @@ constexpr int kMaxItemRuns = 2;
 // session 19; a root folded into its children's items, two runs, ft_1,4,16,512/q32kv8 session 27),
 // or 0 where some item takes the page kernels: it is open, leaves its table row's shared ranges or
 // the tables (row r's `stride` block ids from tables + r * stride; final_start.size() rows), or
-// its pages break more than kMaxItemRuns - 1 times. Where it returns 2 it writes each item's
-// run_split (where its second run begins; kv_end for an item of one run); otherwise the records
-// are left as they were. Shared ranges (before final_start[row]) keep their tokens where they are
+// its pages break more than kMaxItemRuns - 1 times (a hosted node's item of three runs reads
+// through its pages as fast: H100, ft_1,4,16,512/q32kv8 75.6 us either way, docs/perf.md session
+// 34). Where it returns 2 it writes each item's run_split (where its second run begins; kv_end
+// for an item of one run); otherwise the records are left as they were. Shared ranges (before final_start[row]) keep their tokens where they are
 // while a plan is valid: frPlanUpdate refuses a changed block there, and the Python allocator
 // copies on write only a row's last block, whose shared tokens stay in the original (a holder
 // keeps it and writes only past them; tests/test_tree_attention.py runs a plan after such

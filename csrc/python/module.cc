@@ -225,7 +225,7 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
               int64_t dtype_bytes, int64_t num_sms, std::array<int64_t, 2> block_ms, int64_t wide_final_rows,
               int64_t target_chunk,
               double reread_weight, int separate_merge, int flat, int64_t final_lanes, int one_tile,
-              int early_final) {
+              int early_final, int absorb) {
   fr::PlanShape shape;
   shape.num_qo_heads = num_qo_heads, shape.num_kv_heads = num_kv_heads, shape.head_dim = head_dim;
   shape.dtype_bytes = dtype_bytes, shape.num_sms = num_sms, shape.block_ms = block_ms;
@@ -233,7 +233,7 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   fr::PlanOptions options;
   options.target_chunk = target_chunk, options.reread_weight = reread_weight;
   options.separate_merge = separate_merge, options.flat = flat, options.final_lanes = final_lanes;
-  options.one_tile = one_tile, options.early_final = early_final;
+  options.one_tile = one_tile, options.early_final = early_final, options.absorb = absorb;
   fr::Plan p;
   check(fr::make_plan(tree_from_python(tree), shape, options, &p));
   py::dict d;
@@ -354,7 +354,7 @@ PYBIND11_MODULE(_launcher, m) {
         py::arg("target_chunk") = 0,
         py::arg("reread_weight") = fr::kRereadWeight, py::arg("separate_merge") = -1,
         py::arg("flat") = -1, py::arg("final_lanes") = 0, py::arg("one_tile") = -1,
-        py::arg("early_final") = -1,
+        py::arg("early_final") = -1, py::arg("absorb") = -1,
         "The tree-attention plan of a SegmentTree (a dict of arrays).");
   m.def("item_runs", &item_runs, py::arg("records"), py::arg("final_start"), py::arg("tables"), py::arg("rows"),
         py::arg("block_size"),

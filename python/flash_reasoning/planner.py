@@ -140,14 +140,17 @@ class PlanArrays:
 def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
          reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
          flat: bool | None = None, final_lanes: int | None = None,
-         one_tile: bool | None = None, early_final: bool | None = None) -> PlanArrays:
+         one_tile: bool | None = None, early_final: bool | None = None,
+         absorb: bool | None = None) -> PlanArrays:
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
-    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` override the
-    cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds, ``True`` folds
-    every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the GQA group;
+    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``absorb``
+    override the cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds,
+    ``True`` folds every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the GQA group;
     ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
     ``early_final=True`` starts the last launch early even where the plan merges separately; a
-    plan without partial launches never does). ``ValueError``
+    plan without partial launches never does; ``absorb=False`` gives every computed node items
+    of its own, where the planner reads a node whose rows are whole row tiles of its nearest
+    computed ancestor's in that ancestor's items). ``ValueError``
     when the partials would overflow the kernels' int32 indexing, or for lanes out of range."""
     if final_lanes is not None and (type(final_lanes) is not int or final_lanes < 1):
         raise ValueError(f"final_lanes must be a positive int or None, got {final_lanes!r}")
@@ -157,7 +160,8 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
                              dispatch.FINAL_WIDE_BLOCK_M,
                              target_chunk or 0, reread_weight,
                              _tristate(separate_merge), _tristate(flat),
-                             final_lanes or 0, _tristate(one_tile), _tristate(early_final))
+                             final_lanes or 0, _tristate(one_tile), _tristate(early_final),
+                             _tristate(absorb))
     except _launcher.LauncherError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),

@@ -48,8 +48,8 @@ class TreeAttentionPlan:
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
-    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile`` and ``early_final`` force the
-    planner's choices (``flash_reasoning.planner``), for tuning and tests. The attribute
+    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``absorb``
+    force the planner's choices (``flash_reasoning.planner``), for tuning and tests. The attribute
     ``contiguous`` holds, per row tile, the runs of consecutive slots its partial launch reads
     each range as (1 or 2 where its ranges lie in consecutive pages, broken at most once; 0:
     the paged kernels; ``planner.item_runs``); ``contiguous=False`` keeps every partial launch
@@ -62,7 +62,7 @@ class TreeAttentionPlan:
                  arch: str | None = None, separate_merge: bool | None = None,
                  flat: bool | None = None, final_lanes: int | None = None,
                  one_tile: bool | None = None, early_final: bool | None = None,
-                 contiguous: bool | None = None) -> None:
+                 absorb: bool | None = None, contiguous: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -89,7 +89,7 @@ class TreeAttentionPlan:
                               allocator.k_pools[0].element_size(), self.num_sms)
         self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
                                    flat=flat, final_lanes=final_lanes, one_tile=one_tile,
-                                   early_final=early_final)
+                                   early_final=early_final, absorb=absorb)
         # Before the upload: two runs write each item's split into the plan's work buffer.
         self.contiguous = {} if contiguous is False else planner.item_runs(
             self.arrays, *allocator.host_tables(self.branch_ids), allocator.block_size)
