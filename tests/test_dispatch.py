@@ -214,8 +214,8 @@ def test_contiguous_partial_kernels_have_their_own_rules(arch, override):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_only_sm90s_wide_contiguous_walk_reads_through_tensor_maps(arch):
-    """TMA descriptors: the wide tile's contiguous walk at head_dim 128 on sm90, nothing else;
-    such a spec takes its pools as tensor maps, each followed by its view's fields."""
+    """TMA descriptors: the wide tile's contiguous walk at head_dim 128 and 256 on sm90, nothing
+    else; such a spec takes its pools as tensor maps, each followed by its view's fields."""
     for dtype in DTYPES:
         for head_dim in dispatch.HEAD_DIMS:
             for block_m in dispatch.TREE_BLOCK_MS:
@@ -223,7 +223,7 @@ def test_only_sm90s_wide_contiguous_walk_reads_through_tensor_maps(arch):
                     spec = dispatch.tree_partial_spec(dtype, head_dim, block_m, arch, None,
                                                       page_size, runs)
                     expected = (arch == "sm90" and runs > 0 and block_m == 64
-                                and head_dim == 128)
+                                and head_dim in (128, 256))
                     assert spec.key["TMA"] == expected
                     assert spec.tensor_maps == (("k_pool", "v_pool") if expected else ())
     if arch != "sm90":

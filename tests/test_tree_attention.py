@@ -231,12 +231,13 @@ def poison_unread_slots(alloc, ids):
 
 @interpreter
 @pytest.mark.parametrize("scattered", [False, True])
-def test_tensor_map_partials_interpreted(scattered):
-    """sm90's wide contiguous walk at head_dim 128 reads K/V through TMA descriptors (Triton's
-    tensor descriptors in the interpreter), over one run and over two: whole tiles, and a tail
-    tile whose slots past its range hold NaN (the pool poisoned before the tree was written),
-    match the reference."""
-    alloc, ids = shared_root("cpu", scattered, root_tokens=100, piece_blocks=5, head_dim=128)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_tensor_map_partials_interpreted(scattered, head_dim):
+    """sm90's wide contiguous walk at head_dim 128 and 256 reads K/V through TMA descriptors
+    (Triton's tensor descriptors in the interpreter), over one run and over two: whole tiles,
+    and a tail tile whose slots past its range hold NaN (the pool poisoned before the tree was
+    written), match the reference."""
+    alloc, ids = shared_root("cpu", scattered, root_tokens=100, piece_blocks=5, head_dim=head_dim)
     poison_unread_slots(alloc, ids)
     q = queries(alloc, ids, 8)
     plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)

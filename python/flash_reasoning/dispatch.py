@@ -300,9 +300,12 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
     return make_spec(MERGE_SPLITS, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
 
 
-#: head_dims whose wide contiguous walk reads K/V through TMA descriptors on sm90 (the one
-#: measured: :func:`reads_through_tensor_maps`).
-TENSOR_MAP_HEAD_DIMS = (128,)
+#: head_dims whose wide contiguous walk reads K/V through TMA descriptors on sm90
+#: (:func:`reads_through_tensor_maps`). Not 64: there its plans read the same or slower through
+#: them (H100, ft_1,1024/q32kv8 at head_dim 64 83.7 -> 91.9 us, seed_b256/q32kv8 34.3 -> 34.5);
+#: at 256 faster (seed_b256/q32kv8 156.7 -> 146.3, ft_1,1024/q32kv8 459.9 -> 429.5; docs/perf.md
+#: session 34).
+TENSOR_MAP_HEAD_DIMS = (128, 256)
 
 
 def reads_through_tensor_maps(arch: str, head_dim: int, block_m: int, contiguous: int) -> int:
