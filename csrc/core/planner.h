@@ -277,11 +277,11 @@ constexpr int kMaxItemRuns = 2;
 // its pages break more than kMaxItemRuns - 1 times (a hosted node's item of three runs reads
 // through its pages as fast: H100, ft_1,4,16,512/q32kv8 75.6 us either way, docs/perf.md session
 // 34). Where it returns 2 it writes each item's run_split (where its second run begins; kv_end
-// for an item of one run); otherwise the records are left as they were. Shared ranges (before final_start[row]) keep their tokens where they are
-// while a plan is valid: frPlanUpdate refuses a changed block there, and the Python allocator
-// copies on write only a row's last block, whose shared tokens stay in the original (a holder
-// keeps it and writes only past them; tests/test_tree_attention.py runs a plan after such
-// copies).
+// for an item of one run); otherwise the records are left as they were. Shared ranges (before
+// final_start[row]) keep their tokens where they are while a plan is valid: frPlanUpdate refuses
+// a changed block there, and the Python allocator copies on write only a row's last block, whose
+// shared tokens stay in the original (a holder keeps it and writes only past them;
+// tests/test_tree_attention.py runs a plan after such copies).
 int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int32_t* tables, int64_t stride,
               int64_t block_size);
 // The same over int64 tables, row r's at tables + rows[r] * stride: the Python allocator's

@@ -145,8 +145,8 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
     ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``absorb``
     override the cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds,
-    ``True`` folds every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the GQA group;
-    ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
+    ``True`` folds every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the
+    GQA group; ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
     ``early_final=True`` starts the last launch early even where the plan merges separately; a
     plan without partial launches never does; ``absorb=False`` gives every computed node items
     of its own, where the planner reads a node whose rows are whole row tiles of its nearest
