@@ -16,8 +16,11 @@ int64_t round_half_even(double x) {
   return whole + (frac > 0.5 || (frac == 0.5 && (whole & 1)));
 }
 
-int64_t tile_rows(int64_t flat_rows, const PlanShape& shape) {
-  return flat_rows <= shape.block_ms[0] ? shape.block_ms[0] : shape.block_ms[1];
+// The row tile of a range read by `rows` branches: the narrow tile while their (branch, head)
+// rows fit it, else the wide one; the wide one for every range where `one_tile`.
+int64_t range_tile(int64_t rows, bool one_tile, const PlanShape& shape) {
+  int64_t flat_rows = rows * shape.group();
+  return one_tile || flat_rows > shape.block_ms[0] ? shape.block_ms[1] : shape.block_ms[0];
 }
 
 // Tokens per program that spread the work of the first `counted` ranges (computed nodes come
@@ -73,8 +76,8 @@ void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_
 }
 
 // The ranges a plan reads: computed nodes first, then each row's final range. A range is read
-// by the rows order[row_ptr:+rows], in tiles of tile_rows(basis x group) flattened rows (the
-// tile of the node it was cut from).
+// by the rows order[row_ptr:+rows], in the row tile of `basis` rows (range_tile(): the tile of
+// the node it was cut from).
 struct Ranges {
   std::vector<int64_t> lo, hi, rows, row_ptr, table_row, basis;
   int64_t num_computed = 0;
@@ -103,7 +106,7 @@ std::vector<int64_t> range_hosts(const SegmentTree& t, const std::vector<char>& 
     int64_t h = above[v] >= 0 ? host[above[v]] : -1;
     if (!absorb || h < 0) continue;
     int64_t rows = t.node_hi[h] - t.node_lo[h];
-    int64_t tile = one_tile ? shape.block_ms[1] : tile_rows(rows * shape.group(), shape);
+    int64_t tile = range_tile(rows, one_tile, shape);
     bool first_aligned = (t.node_lo[v] - t.node_lo[h]) * shape.group() % tile == 0;
     bool last_aligned = t.node_hi[v] == t.node_hi[h] || (t.node_hi[v] - t.node_lo[h]) * shape.group() % tile == 0;
     if (first_aligned && last_aligned) host[v] = h;
@@ -538,7 +541,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   std::vector<int64_t> length(num_ranges), block_m(num_ranges), programs(num_ranges);
   for (size_t k = 0; k < num_ranges; ++k) {
     length[k] = r.hi[k] - r.lo[k];
-    block_m[k] = one_tile ? shape.block_ms[1] : tile_rows(r.basis[k] * shape.group(), shape);
+    block_m[k] = range_tile(r.basis[k], one_tile, shape);
     programs[k] = ceil_div(r.rows[k] * shape.group(), block_m[k]) * shape.num_kv_heads;
   }
   Plan p;
