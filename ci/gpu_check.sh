@@ -51,10 +51,11 @@ log=warmup.log step "zero warm-up" python3 benchmarks/warmup.py --json "$OUT/war
 log=launch.log step "launch overhead" python3 benchmarks/launch_overhead.py \
     --json "$OUT/launch_overhead.json" || status=1
 # EXPLORE_<NAME>=1 adds ci/explore_<name>.py (log explore_<name>.log): the sweeps behind docs/perf.md.
+# Arguments after the title go to the script.
 explore() {
   local var="EXPLORE_${1^^}"
   [ -n "${!var:-}" ] || return 0
-  log=explore_$1.log step "explore $2" env PYTHONPATH=. python3 "ci/explore_$1.py" || status=1
+  log=explore_$1.log step "explore $2" env PYTHONPATH=. python3 "ci/explore_$1.py" "${@:3}" || status=1
 }
 explore tree "tree planner"
 explore attend "attention loop variants"
@@ -78,6 +79,7 @@ explore knobs "the planner's regret: each knob forced on every case"
 explore partial "the deep trees' partial launches: folds and configs"
 explore common "final programs that read their lanes' shared range once"
 explore grid_order "partial launches: each item's heads together, or each head's items"
+explore read_bar "each case's bytes read and nothing else, against the targets" --bench "$OUT/bench.json"
 explore fused_final "one launch: 64-row final programs over their lanes' shared path"
 explore leaf_reads "the leaves read and nothing else: the final launch's bar"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table

@@ -2,7 +2,7 @@
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
 copies of copy-on-write, tree_partial (both tiles, closed and open items, paged and as one or
-two runs of slots), tree_final (one branch per program, packed, packed heads first over 4 KB token rows, and
+two runs of slots, through TMA descriptors at head_dim 128 and 256 on sm90), tree_final (one branch per program, packed, packed heads first over 4 KB token rows, and
 packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
 and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
@@ -113,13 +113,14 @@ def deep_tree():
     return alloc, level
 
 
-def shared_prefix_tree(leaves, broken=False):
-    """A 600-token root under ``leaves`` leaves of 40 tokens: computed once for all of them
-    (4 leaves x group 4 fill the 16-row tile, 8 leaves the 64-row one). ``broken``: another
-    branch takes a block while the root is written, so the root's pages break once (at token
-    304) and the items across it take the two-run kernels."""
+def shared_prefix_tree(leaves, broken=False, head_dim=128):
+    """A 600-token root under ``leaves`` leaves of 40 tokens: computed once for all of them, in
+    the tile the planner picks (at head_dim 256 with 64-token chunks, 8 leaves take the 64-row
+    tile, which sm90 loads through TMA descriptors). ``broken``: another branch takes a block
+    while the root is written, so the root's pages break once (at token 304) and the items
+    across it take the two-run kernels."""
     gen = torch.Generator().manual_seed(2)
-    alloc = poisoned_allocator(64 + 4 * leaves, 8, 128, torch.float16)
+    alloc = poisoned_allocator(64 + 4 * leaves, 8, head_dim, torch.float16)
     root = alloc.alloc_branch(0).branch_id
     write(alloc, gen, root, 300)
     if broken:
@@ -143,6 +144,7 @@ class Checker:
         self.lanes: set[int] = set()  # branches per tree_final program, of the plans that ran
         self.decode_plans = 0  # plans with no partials: one paged_decode launch
         self.shared_plans = 0  # plans whose packed programs read a shared range once
+        self.tma_head_dims: set[int] = set()  # head_dims of partial launches through TMA
 
     def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         if out.is_cuda:
@@ -174,6 +176,9 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
         check.runs.update((tile, runs) for tile, runs in plan.contiguous.items() if runs)
         check.orders.update(plan.arrays.heads_first.values())
         check.shared_plans += plan.arrays.has_common
+        check.tma_head_dims.update(dict(spec.constexprs)["HEAD_DIM"]
+                                   for spec, _, _ in plan._templates
+                                   if dict(spec.constexprs).get("TMA"))
         if plan.arrays.decode:
             check.decode_plans += 1
         elif not plan.arrays.separate_merge:
@@ -213,6 +218,9 @@ def main() -> int:
         check_tree(check, f"shared prefix x{leaves}{', broken' if broken else ''}",
                    *shared_prefix_tree(leaves, broken), 4, chunks=(None, 64),
                    merges=(False, True))
+    for broken in (False, True):
+        check_tree(check, f"shared prefix x8 d256{', broken' if broken else ''}",
+                   *shared_prefix_tree(8, broken, head_dim=256), 4, chunks=(None, 64))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     check_tree(check, "deep, flat", *deep_tree(), 4, lanes=(None, 4, 8), flat=True)
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
@@ -220,7 +228,8 @@ def main() -> int:
           f"{sorted(check.runs)}; heads first: {sorted(check.orders)}); "
           f"tree_final lanes run: {sorted(check.lanes)} (heads first: "
           f"{sorted(check.final_orders)}); plans run as a paged decode: "
-          f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}",
+          f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}; "
+          f"partial launches through TMA at head_dim: {sorted(check.tma_head_dims)}",
           flush=True)
     return 1 if check.failures else 0
 
