@@ -9,7 +9,6 @@ a plan could score. Run on a GPU:
 PYTHONPATH=.:python python3 ci/explore_read_bar.py [--bench docs/results/bench_h100_s34.json]"""
 import argparse
 import json
-import math
 import os
 
 import torch
@@ -52,10 +51,6 @@ def read_bar_us(nbytes: int, num_sms: int) -> tuple[float, tuple]:
     return times[best], best
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bench", help="a bench --json file: adds our time beside the bar")
@@ -71,24 +66,26 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}: a 4-byte fill {timing.median_us(fill.zero_):.1f} us")
     print(f"{'case':26s} {'MB':>7s} {'floor':>7s} {'bar':>7s} {'bar/fl':>6s} {'ours':>7s} "
           f"{'ours/bar':>8s}  config")
-    groups = {"q32kv8 (floor >= 10 us)": [], "q32kv32 (floor >= 10 us)": [],
-              "small (floor < 10 us)": []}
+    over_floor = {layout: [] for layout in bench.TARGET_LAYOUTS}  # bar / floor, target cases
+    small_bars = []
     cases = bench.load_cases()
     for case in bench.table_cases(cases, cpu=False):
         nbytes = bench.unique_bytes(case)
-        floor = nbytes / (cases["h100_copy_bandwidth_TBps"] * 1e6)  # as the bench's
+        floor = bench.floor_us(case, cases["h100_copy_bandwidth_TBps"])  # the cases file's
         bar, cfg = read_bar_us(nbytes, num_sms)
-        mine = ours.get(case["name"])
+        mine = ours.get(case["name"], float("nan"))
         print(f"{case['name']:26s} {nbytes / 1e6:7.1f} {floor:7.1f} {bar:7.1f} {bar / floor:6.2f} "
-              f"{mine or float('nan'):7.1f} {(mine or float('nan')) / bar:8.2f}  {cfg}", flush=True)
-        if floor < 10:
-            groups["small (floor < 10 us)"].append(bar)
-        elif case["name"].endswith(("q32kv8", "q32kv32")):
-            groups[f"{case['name'].split('/')[1]} (floor >= 10 us)"].append(bar / floor)
-    for name, values in groups.items():
-        what = ("bars " + ", ".join(f"{v:.1f}" for v in values) + " us") if name.startswith(
-            "small") else f"geomean of bar / floor {geomean(values):.2f} over {len(values)} cases"
-        print(f"{name}: {what}")
+              f"{mine:7.1f} {mine / bar:8.2f}  {cfg}", flush=True)
+        layout = case["name"].split("/")[-1]
+        if floor < bench.SMALL_FLOOR_US:
+            small_bars.append(bar)
+        elif layout in over_floor:
+            over_floor[layout].append(bar / floor)
+    limit = f"{bench.SMALL_FLOOR_US:g} us"
+    for layout, values in over_floor.items():
+        print(f"{layout} (floor >= {limit}): geomean of bar / floor "
+              f"{bench.geomean(values):.2f} over {len(values)} cases")
+    print(f"small (floor < {limit}): bars " + ", ".join(f"{v:.1f}" for v in small_bars) + " us")
 
 
 if __name__ == "__main__":

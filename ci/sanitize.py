@@ -2,8 +2,9 @@
 
 Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), the block
 copies of copy-on-write, tree_partial (both tiles, closed and open items, paged and as one or
-two runs of slots, through TMA descriptors at head_dim 128 and 256 on sm90), tree_final (one branch per program, packed, packed heads first over 4 KB token rows, and
-packed with shared ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
+two runs of slots, through TMA descriptors at head_dim 128 and 256 on sm90), tree_final (one
+branch per program, packed, packed heads first over 4 KB token rows, and packed with shared
+ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
 and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
 inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
@@ -176,9 +177,8 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
         check.runs.update((tile, runs) for tile, runs in plan.contiguous.items() if runs)
         check.orders.update(plan.arrays.heads_first.values())
         check.shared_plans += plan.arrays.has_common
-        check.tma_head_dims.update(dict(spec.constexprs)["HEAD_DIM"]
-                                   for spec, _, _ in plan._templates
-                                   if dict(spec.constexprs).get("TMA"))
+        check.tma_head_dims.update(spec.key["HEAD_DIM"] for spec, _, _ in plan._templates
+                                   if spec.key.get("TMA"))
         if plan.arrays.decode:
             check.decode_plans += 1
         elif not plan.arrays.separate_merge:
