@@ -17,11 +17,13 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-CORE_SOURCES = sorted(glob("csrc/core/*.cc"))
+#: The C++ core by layer (csrc/README.md): util, runtime, planner, ops.
+CORE_SOURCES = sorted(src for layer in ("util", "runtime", "planner", "ops")
+                      for src in glob(f"csrc/{layer}/*.cc"))
 #: The C library exports only its fr* functions and needs only libc and libstdc++ (libcuda is
 #: opened at run time): csrc/CMakeLists.txt builds it with the same flags.
 C_LIBRARY_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-fvisibility=hidden",
-                   "-fvisibility-inlines-hidden", "-Icsrc/core", "-Icsrc/include"]
+                   "-fvisibility-inlines-hidden", "-Icsrc", "-Icsrc/include"]
 C_LIBRARY_LINK = ["-shared", "-Wl,-soname,libflash_reasoning.so", "-static-libgcc", "-Wl,--as-needed", "-Wl,--no-undefined",
                   "-Wl,--version-script=csrc/capi/exports.map"]
 
@@ -64,16 +66,16 @@ class BuildWithKernels(build_ext):
 
 
 launcher = Pybind11Extension(
-    "flash_reasoning._launcher",
-    CORE_SOURCES + ["csrc/python/module.cc"],
-    include_dirs=["csrc/core"],
+    "flash_reasoning._core",
+    CORE_SOURCES + ["csrc/python/core_module.cc"],
+    include_dirs=["csrc"],
     extra_link_args=["-ldl"],
     cxx_std=17,
 )
 
 setup(
     package_dir={"": "python"},
-    packages=["flash_reasoning", "flash_reasoning.ops"],
+    packages=["flash_reasoning", "flash_reasoning.ops", "flash_reasoning.tools"],
     package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "tuning/*.json",
                                       "lib/*.so", "include/flash_reasoning/*.h"]},
     ext_modules=[launcher],

@@ -12,7 +12,7 @@ from flash_reasoning.specializations import DTYPES, Spec
 
 ARCHS = ("sm80", "sm89", "sm90")
 
-#: (BLOCK_N, num_warps, num_stages) candidates a tuning run measures (``flash_reasoning.tune``)
+#: (BLOCK_N, num_warps, num_stages) candidates a tuning run measures (``flash_reasoning.tools.tune``)
 #: for the decode-tile kernels (paged_decode, split or not, tree_final, packed or not, the narrow
 #: tree_partial) and for the wide tree_partial tile.
 DECODE_TILE_CANDIDATES = ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
@@ -51,8 +51,8 @@ def candidate_specs(arch: str) -> list[Spec]:
                     if fits_shared_memory(arch, head_dim, rows, config) and \
                             serves_every_lane(kernel, rows, config):
                         specs += [dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
-                                                       block_m, page_size, contiguous)
-                                  for page_size, contiguous in dispatch.addressings(kernel)]
+                                                       block_m, page_size, slot_runs)
+                                  for page_size, slot_runs in dispatch.addressings(kernel)]
     return specs
 
 

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from flash_reasoning import bench, planner, runtime
+from flash_reasoning import planner, runtime
+from flash_reasoning.tools import bench
 
 CASES = ("ft_1,1024/q32kv8", "seed_b256/q32kv8", "ft_deep16/q32kv8")
 TARGET_S = 0.5e-3

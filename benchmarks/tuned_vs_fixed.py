@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from flash_reasoning import TreeAttentionPlan, bench, dispatch, reference, runtime, timing, tune
+from flash_reasoning import TreeAttentionPlan, dispatch, reference, runtime
+from flash_reasoning.tools import bench, timing, tune
 from flash_reasoning import tuning_table
 
 

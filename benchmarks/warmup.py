@@ -95,7 +95,7 @@ def import_jit_kernels() -> dict:
 
 def seed_tree():
     import torch
-    from flash_reasoning.bench import case_allocator, seed_case
+    from flash_reasoning.tools.bench import case_allocator, seed_case
     alloc, leaves = case_allocator(seed_case(CASE["batch"], CASE["prefix"], CASE["leaf"]))
     q = torch.randn(len(leaves), 32, 128, dtype=torch.float16, device="cuda")
     return alloc, leaves, q

@@ -1,11 +1,11 @@
 // Compiled (not run) on a machine with the CUDA toolkit, by ci/gpu_check.sh: the launcher
-// declares the few driver structs it passes (csrc/core/driver.h) instead of including cuda.h,
+// declares the few driver structs it passes (csrc/runtime/driver.h) instead of including cuda.h,
 // so their layout is checked against cuda.h's here.
 #include <cuda.h>
 
 #include <cstddef>
 
-#include "../csrc/core/driver.h"
+#include "../csrc/runtime/driver.h"
 
 namespace fr = flash_reasoning;
 

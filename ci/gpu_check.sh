@@ -24,21 +24,21 @@ step() {
 status=0
 log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
-log=layout.log step "driver struct layout against cuda.h" bash -c 'g++ -std=c++17 -fsyntax-only \
+log=layout.log step "driver struct layout against cuda.h" bash -c 'g++ -std=c++17 -fsyntax-only -Icsrc \
     -I"$(dirname "$(command -v nvcc)")/../include" ci/driver_layout_check.cc && echo "layout ok"' || status=1
 log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -q \
     -p no:cacheprovider || status=1
 log=sanitize.log step "compute-sanitizer" env OUT="$OUT" bash ci/sanitize.sh || status=1
 log=fuzz.log   step "fuzz (${FUZZ_EXAMPLES:-2000} trees)" env FLASH_REASONING_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
     python3 -m pytest tests/test_fuzz.py -k gpu_fuzz -q -p no:cacheprovider || status=1
-log=info.log   step "info" python3 -m flash_reasoning.cli info || status=1
-log=bench.log  step "bench" python3 -m flash_reasoning.cli bench --json "$OUT/bench.json" \
+log=info.log   step "info" python3 -m flash_reasoning.tools.cli info || status=1
+log=bench.log  step "bench" python3 -m flash_reasoning.tools.cli bench --json "$OUT/bench.json" \
     ${BENCH_ARGS:-} || status=1
 if python3 -c "import matplotlib" 2>/dev/null; then  # else: flash-reasoning plot bench.json
-  log=bench.log step "plot" python3 -m flash_reasoning.cli plot "$OUT/bench.json" \
+  log=bench.log step "plot" python3 -m flash_reasoning.tools.cli plot "$OUT/bench.json" \
       "$OUT/bench.png" || status=1
 fi
-log=demo.log   step "demo" python3 -m flash_reasoning.cli demo --check --steps 24 \
+log=demo.log   step "demo" python3 -m flash_reasoning.tools.cli demo --check --steps 24 \
     --prefix 2048 --width 64 --layers 8 --num-qo-heads 32 --num-kv-heads 8 --head-dim 128 \
     || status=1
 log=host.log   step "allocator host cost" python3 benchmarks/allocator_host_cost.py || status=1
@@ -83,7 +83,7 @@ explore read_bar "each case's bytes read and nothing else, against the targets" 
 explore fused_final "one launch: 64-row final programs over their lanes' shared path"
 explore leaf_reads "the leaves read and nothing else: the final launch's bar"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
-  log=tune.log step "tune" python3 -m flash_reasoning.tune --out "$OUT/tuning-$arch.json" \
+  log=tune.log step "tune" python3 -m flash_reasoning.tools.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1
   log=fixed.log step "tuned vs fixed configs" env FLASH_REASONING_TUNING="$OUT/tuning-$arch.json" \
       python3 benchmarks/tuned_vs_fixed.py --json "$OUT/tuned_vs_fixed.json" || status=1

@@ -26,7 +26,7 @@ import torch
 
 from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference, runtime
 from flash_reasoning.ops.paged_decode import decode_launches
-from flash_reasoning.synthetic import random_kv
+from flash_reasoning.tools.synthetic import random_kv
 
 BLOCK = 16
 DEVICE = "cuda"
@@ -179,7 +179,7 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
         check.shared_plans += plan.arrays.has_common
         check.tma_head_dims.update(spec.key["HEAD_DIM"] for spec, _, _ in plan._templates
                                    if spec.key.get("TMA"))
-        if plan.arrays.decode:
+        if plan.arrays.as_paged_decode:
             check.decode_plans += 1
         elif not plan.arrays.separate_merge:
             check.lanes.add(plan.arrays.final_lanes)

@@ -33,7 +33,7 @@ user="$work/user/bin/python"
 import importlib.util, zipfile, glob, sys
 assert importlib.util.find_spec("triton") is None, "triton must not be in the user venv"
 import flash_reasoning, torch
-from flash_reasoning.synthetic import paged_problem
+from flash_reasoning.tools.synthetic import paged_problem
 assert flash_reasoning.available_archs() == ["sm80", "sm89", "sm90"], flash_reasoning.available_archs()
 wheel = zipfile.ZipFile(glob.glob("dist/flash_reasoning-*.whl")[0])
 for arch in ("sm80", "sm89", "sm90"):

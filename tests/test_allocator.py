@@ -11,7 +11,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition,
 from conftest import allocator_snapshot, assert_allocator_unchanged
 from flash_reasoning.allocator import (ZERO_BLOCK, PhysicalKVAllocator, PoolExhausted,
                                        UnknownBranch)
-from flash_reasoning.tree import SegmentTree
+from flash_reasoning.segment_tree import SegmentTree
 
 BS, HEADS, DIM, LAYERS = 4, 1, 2, 2
 

@@ -67,14 +67,14 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
     """A C caller picks kernels by the manifest's exported rules (the launcher's pick is the
     C ABI's lookup): for every launch (range length, program count, unknowns included) it must
     get Python's kernel, at each bound and just past it."""
-    from flash_reasoning import _launcher
-    launcher = _launcher.Launcher(str(runtime.artifact_root() / arch))
+    from flash_reasoning import _core
+    launcher = _core.Launcher(str(runtime.artifact_root() / arch))
     num_sms = 132
     for dtype in ("float16", "bfloat16"):
         for hd, (kernel, block_m) in itertools.product(dispatch.HEAD_DIMS, dispatch.RULE_LISTS):
-            for page_size, contiguous in dispatch.addressings(kernel):
-                key = dispatch.rule_key(kernel, dtype, hd, block_m, page_size, contiguous)
-                rule_list = dispatch.rules(kernel, dtype, hd, arch, block_m, contiguous)[0]
+            for page_size, slot_runs in dispatch.addressings(kernel):
+                key = dispatch.rule_key(kernel, dtype, hd, block_m, page_size, slot_runs)
+                rule_list = dispatch.rules(kernel, dtype, hd, arch, block_m, slot_runs)[0]
                 token_bounds = {b for _, b, _ in rule_list if b}
                 program_bounds = {math.floor(p * num_sms) for p, _, _ in rule_list if p}
                 for tokens in {None, 1, 16, 17, 4096} | {b + d for b in token_bounds
@@ -82,12 +82,12 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
                     for programs in {None, 1, 8192} | {b + d for b in program_bounds
                                                        for d in (0, 1)}:
                         config = dispatch.config_for(kernel, dtype, hd, arch, tokens, block_m,
-                                                     programs, num_sms, contiguous)
+                                                     programs, num_sms, slot_runs)
                         picked = launcher.pick(key, -1 if tokens is None else tokens,
                                                -1 if programs is None else programs, num_sms)
                         assert picked == dispatch.kernel_spec(
                             kernel, dtype, hd, arch, config, block_m, page_size,
-                            contiguous).name, \
+                            slot_runs).name, \
                             (key, tokens, programs)
     assert _manifest(arch)["dispatch"]["constants"]["block_m"] == dispatch.BLOCK_M
     for seqs, programs, length in [(1, 8, 2048), (4, 16, 32768), (1, 2, 100), (64, 8, 4096),

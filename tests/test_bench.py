@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from flash_reasoning import bench
+from flash_reasoning.tools import bench
 
 
 def row(case: str, us: float, floor: float, op: str = "tree_attention",

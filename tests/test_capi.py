@@ -301,7 +301,7 @@ def test_planner_agrees_with_python(api, host_context, seed):
     """Small random trees plan flat (sharing does not repay a partial launch there), the
     seed-like tree (48 leaves under a 1000-token root) a tree: the C ABI decides as Python."""
     from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan
-    from flash_reasoning.synthetic import random_branches
+    from flash_reasoning.tools.synthetic import random_branches
     if seed == 6:
         alloc, ids = seed_like_tree(torch.float16, 64, device="cpu")
     else:
@@ -498,7 +498,7 @@ DECODE_STEPS = 9  # from 1040 tokens: the first step starts a block
 def decode_steps(api, plan, alloc, ids, stream_handle) -> list:
     """DECODE_STEPS allocator decode steps (one new token per branch), each followed by
     frPlanUpdate; the (status, message) of each update."""
-    from flash_reasoning.synthetic import random_kv
+    from flash_reasoning.tools.synthetic import random_kv
     gen = torch.Generator().manual_seed(1)
     updates = []
     for _ in range(DECODE_STEPS):
@@ -527,7 +527,7 @@ def assert_matches_python(out, q, alloc, ids):
 
 def random_tree(dtype, head_dim):
     from flash_reasoning import PhysicalKVAllocator
-    from flash_reasoning.synthetic import random_branches
+    from flash_reasoning.tools.synthetic import random_branches
     alloc = PhysicalKVAllocator(64 * 16, 16, 4, head_dim, dtype=dtype, device="cuda")
     return alloc, random_branches(alloc, 40, 4, 300, seed=3)
 
@@ -536,7 +536,7 @@ def shared_root_tree(branches: int, prefix: int, leaf: int, dtype, head_dim: int
                      block_size: int):
     """An allocator holding `branches` leaves of `leaf` tokens under a `prefix`-token root
     (8 KV heads), and the leaves' ids."""
-    from flash_reasoning.bench import case_allocator, seed_case
+    from flash_reasoning.tools.bench import case_allocator, seed_case
     case = seed_case(branches, prefix=prefix, leaf=leaf, num_kv_heads=8, head_dim=head_dim,
                      dtype=str(dtype).split(".")[-1])
     return case_allocator(case, device=device, block_size=block_size)
@@ -555,7 +555,7 @@ def long_branches_tree(dtype, head_dim, device="cuda", block_size=16):
 
 def unshared_tree(dtype, head_dim, device="cuda", block_size=16):
     """200 branches of 300 tokens that share their first: nothing is worth computing once, so
-    the plan is a paged decode (``PlanArrays.decode``)."""
+    the plan is a paged decode (``PlanArrays.as_paged_decode``)."""
     return shared_root_tree(200, 1, 300, dtype, head_dim, device, block_size)
 
 
@@ -575,7 +575,7 @@ def deep_tree(dtype, head_dim, device="cuda", block_size=16):
     """ft_deep16's tree: eight levels of 16-token nodes over 1024 leaves of 16 tokens. Its plan
     is flat, each final program reading the path its eight sibling leaves share once (the
     COMMON final kernel, in the wide tile)."""
-    from flash_reasoning.bench import case_allocator, load_cases
+    from flash_reasoning.tools.bench import case_allocator, load_cases
     case = next(c for c in load_cases()["cases"] if c["name"] == "ft_deep16/q32kv8")
     case = dict(case, head_dim=head_dim, dtype=str(dtype).split(".")[-1])
     return case_allocator(case, device=device, block_size=block_size)
@@ -585,7 +585,7 @@ def hosted_tree(dtype, head_dim, device="cuda", block_size=16):
     """ft_1,4,16,512/q32kv32's tree: each of its four level-1 nodes is two wide tiles of the
     1024-token root's rows, so the root's items read on through it (hosted), each item's range
     two runs of slots (the root's pages, then the child's: the two-run kernel)."""
-    from flash_reasoning.bench import case_allocator, load_cases
+    from flash_reasoning.tools.bench import case_allocator, load_cases
     case = next(c for c in load_cases()["cases"] if c["name"] == "ft_1,4,16,512/q32kv32")
     case = dict(case, head_dim=head_dim, dtype=str(dtype).split(".")[-1])
     return case_allocator(case, device=device, block_size=block_size)
@@ -603,7 +603,7 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
                                                        (deep_tree, False, 8, False, True)):
         alloc, ids = make_tree(torch.float16, 128, device="cpu")
         arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
-        assert (arrays.separate_merge, arrays.final_lanes, arrays.decode, arrays.has_common) == \
+        assert (arrays.separate_merge, arrays.final_lanes, arrays.as_paged_decode, arrays.has_common) == \
             (separate, lanes, decode, common)
 
 
@@ -636,7 +636,7 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, runs, bloc
         assert len(names) == 1 and names[0].startswith("paged_decode")
     else:
         assert len(names) >= 2 and names[0].startswith("tree_partial")
-        assert f"_contiguous{runs}_" in names[0] and ("_page0_" in names[0] or not runs)
+        assert f"_slot_runs{runs}_" in names[0] and ("_page0_" in names[0] or not runs)
     paged = [name for name in names[bool(runs):] if not name.startswith("tree_merge")]
     assert paged and all(page in name for name in paged)
     assert ("_block_m32_" in names[-1]) == (make_tree in (wide_packed_tree, deep_tree))
@@ -667,7 +667,7 @@ def test_plan_reads_a_root_in_runs_of_consecutive_pages(api, host_context, scatt
     rc, msg, plan = api.plan(host_context, problem)
     assert rc == FR_OK, msg
     partial = [name for name in kernel_names(api, plan) if name.startswith("tree_partial")]
-    assert partial and all(f"_contiguous{runs}_" in name for name in partial)
+    assert partial and all(f"_slot_runs{runs}_" in name for name in partial)
     api.lib.frPlanDestroy(plan)
 
 
@@ -733,7 +733,7 @@ def test_gpu_plan_update_after_append(api, gpu_context, make_tree, length):
 @pytest.mark.parametrize("with_workspace", [True, False])
 def test_gpu_paged_decode_matches_python_api(api, gpu_context, seq_lens, with_workspace):
     import flash_reasoning
-    from flash_reasoning.synthetic import paged_problem
+    from flash_reasoning.tools.synthetic import paged_problem
     problem = paged_problem(seq_lens, 32, 8, 128, device="cuda", seed=5)
     shape = api.ffi.new("frAttentionShape*", dict(SEED_SHAPE, num_blocks=problem.k_pool.shape[0]))
     num_seqs, max_blocks = problem.block_tables.shape

@@ -6,7 +6,8 @@ import torch
 
 import flash_reasoning
 
-from flash_reasoning import bench, cli, report, tuning_table
+from flash_reasoning import tuning_table
+from flash_reasoning.tools import bench, cli, report
 
 
 def test_info_lists_archs_kernels_and_dispatch(capsys):
@@ -110,7 +111,7 @@ def test_bench_case_on_gpu_checks_every_op():
 def test_separate_copy_serves_paged_decode_and_masked_sdpa():
     """Branches of different lengths: SDPA needs its key mask, paged_decode the lengths."""
     from flash_reasoning.allocator import PhysicalKVAllocator
-    from flash_reasoning.synthetic import random_branches
+    from flash_reasoning.tools.synthetic import random_branches
     from flash_reasoning import reference
     alloc = PhysicalKVAllocator(64, 4, 2, 64, dtype=torch.float16, device="cpu")
     ids = random_branches(alloc, 6, max_depth=3, max_tokens=9, seed=3)

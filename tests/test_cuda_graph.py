@@ -5,8 +5,8 @@ import torch
 
 from conftest import gpu, poisoned_like
 from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference, runtime
-from flash_reasoning.bench import case_allocator, seed_case
-from flash_reasoning.synthetic import random_branches, random_kv
+from flash_reasoning.tools.bench import case_allocator, seed_case
+from flash_reasoning.tools.synthetic import random_branches, random_kv
 
 STEPS = 3
 

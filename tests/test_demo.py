@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from flash_reasoning import demo, reference
+from flash_reasoning import reference
+from flash_reasoning.tools import demo
 
 SMALL = ["--steps", "6", "--prefix", "40", "--width", "6", "--expand", "3",
          "--expand-every", "2", "--layers", "2", "--device", "cpu"]

@@ -148,11 +148,11 @@ def test_every_config_a_call_can_pick_is_required(arch):
         for head_dim in dispatch.HEAD_DIMS:
             for tokens, programs in itertools.product(LENGTHS, PROGRAMS):
                 for kernel, block_m in dispatch.RULE_LISTS:
-                    for page_size, contiguous in dispatch.addressings(kernel):
+                    for page_size, slot_runs in dispatch.addressings(kernel):
                         config = dispatch.config_for(kernel, dtype, head_dim, arch, tokens,
-                                                     block_m, programs, 132, contiguous)
+                                                     block_m, programs, 132, slot_runs)
                         assert dispatch.kernel_spec(kernel, dtype, head_dim, arch, config,
-                                                    block_m, page_size, contiguous) in required
+                                                    block_m, page_size, slot_runs) in required
             assert dispatch.decode_spec(dtype, head_dim, True, arch) in required
             assert dispatch.merge_spec(dtype, head_dim) in required
 
@@ -160,7 +160,7 @@ def test_every_config_a_call_can_pick_is_required(arch):
 def assert_mirrored_rule_lists(rules, suffix, mark, generic_mark, lists_per_variant):
     """The manifest's rule lists ending in ``suffix`` (``lists_per_variant`` per dtype and
     head_dim) pick the configs of the lists without it: the same bounds, kernels named alike
-    but for ``mark`` in place of ``generic_mark`` (and TMA descriptors where a contiguous walk
+    but for ``mark`` in place of ``generic_mark`` (and TMA descriptors where a slot-run walk
     reads through them)."""
     keys = [key for key in rules if key.endswith(suffix)]
     assert len(keys) == lists_per_variant * len(DTYPES) * len(dispatch.HEAD_DIMS)
@@ -188,33 +188,33 @@ def test_a_compiled_page_size_has_its_own_kernels_with_the_same_configs(arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_contiguous_partial_kernels_have_their_own_rules(arch, override):
+def test_slot_run_partial_kernels_have_their_own_rules(arch, override):
     """tree_partial alone is also compiled to read ranges as one or two runs of slots, for any
     page size; their rule lists pick the configs of the page-size-at-run-time lists where the
     table has no list of their own."""
-    override({}, arch)  # a table without the contiguous lists (the shipped one may have some)
+    override({}, arch)  # a table without the slot_runs lists (the shipped one may have some)
     assert dispatch.addressings("tree_partial") == ((0, 0), (16, 0), (0, 1), (0, 2))
     assert dispatch.addressings("tree_final") == ((0, 0), (16, 0))
     assert dispatch.rule_key("tree_partial", "float16", 128, 64, 16, 1) == \
-        "tree_partial/float16/128/64/contiguous"
+        "tree_partial/float16/128/64/one_run"
     assert dispatch.rule_key("tree_partial", "float16", 128, 16, 0, 2) == \
         "tree_partial/float16/128/16/two_runs"
-    with pytest.raises(ValueError, match="no contiguous kernels"):
+    with pytest.raises(ValueError, match="no slot-run kernels"):
         dispatch.rule_key("tree_final", "float16", 128, None, 0, 1)
-    with pytest.raises(ValueError, match="no contiguous kernels"):
+    with pytest.raises(ValueError, match="no slot-run kernels"):
         dispatch.kernel_spec("paged_decode", "float16", 128, arch, (64, 4, 2), None, 0, 1)
-    with pytest.raises(ValueError, match="no contiguous kernels read 3 runs"):
+    with pytest.raises(ValueError, match="no slot-run kernels read 3 runs"):
         dispatch.tree_partial_spec("float16", 128, 64, arch, None, 0, 3)
-    for suffix, mark in (("/contiguous", "_contiguous1_"), ("/two_runs", "_contiguous2_")):
+    for suffix, mark in (("/one_run", "_slot_runs1_"), ("/two_runs", "_slot_runs2_")):
         assert_mirrored_rule_lists(dispatch.dispatch_rules(arch)["rules"], suffix, mark,
-                                   "_contiguous0_", len(dispatch.TREE_BLOCK_MS))
-    spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, contiguous=2)
-    assert spec.key["CONTIGUOUS"] == 2 and spec.key["PAGE"] == 0
+                                   "_slot_runs0_", len(dispatch.TREE_BLOCK_MS))
+    spec = dispatch.tree_partial_spec("float16", 64, 64, arch, None, 16, slot_runs=2)
+    assert spec.key["SLOT_RUNS"] == 2 and spec.key["PAGE"] == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_only_sm90s_wide_contiguous_walk_reads_through_tensor_maps(arch):
-    """TMA descriptors: the wide tile's contiguous walk at head_dim 128 and 256 on sm90, nothing
+def test_only_sm90s_wide_slot_run_walk_reads_through_tensor_maps(arch):
+    """TMA descriptors: the wide tile's slot-run walk at head_dim 128 and 256 on sm90, nothing
     else; such a spec takes its pools as tensor maps, each followed by its view's fields."""
     for dtype in DTYPES:
         for head_dim in dispatch.HEAD_DIMS:
@@ -242,7 +242,7 @@ def test_only_sm90s_wide_contiguous_walk_reads_through_tensor_maps(arch):
 @pytest.mark.parametrize("key, parsed", [
     ("tree_final/float16/128", ("tree_final", "float16", 128, None, 0)),
     ("tree_partial/bfloat16/64/16", ("tree_partial", "bfloat16", 64, 16, 0)),
-    ("tree_partial/float16/128/64/contiguous", ("tree_partial", "float16", 128, 64, 1)),
+    ("tree_partial/float16/128/64/one_run", ("tree_partial", "float16", 128, 64, 1)),
     ("tree_partial/float16/256/16/two_runs", ("tree_partial", "float16", 256, 16, 2))])
 def test_rule_keys_parse_back(key, parsed):
     assert dispatch.parse_rule_key(key) == parsed
@@ -250,7 +250,7 @@ def test_rule_keys_parse_back(key, parsed):
     assert dispatch.rule_key(kernel, dtype, head_dim, block_m, 0, runs) == key
 
 
-def test_a_table_list_of_the_contiguous_kernels_serves_them_alone(override):
+def test_a_table_list_of_the_slot_run_kernels_serves_them_alone(override):
     """A tuning table's ``.../two_runs`` list picks the two-run kernels' configs; the page
     kernels' and the one-run kernels' keep theirs."""
     override({"tree_partial/float16/128/64/two_runs": ((None, None, (128, 8, 2)),)})
@@ -262,7 +262,7 @@ def test_a_table_list_of_the_contiguous_kernels_serves_them_alone(override):
             "tree_partial", "float16", 128, "sm90", 1024, 64, 1000, 132) != (128, 8, 2)
     assert dispatch.config_reason("tree_partial", "float16", 128, "sm90", 1024, 64, 1000, 132,
                                   2).startswith(tuning_table.ENV_VAR)
-    assert dispatch.tree_partial_spec("float16", 128, 64, "sm90", contiguous=2) in \
+    assert dispatch.tree_partial_spec("float16", 128, 64, "sm90", slot_runs=2) in \
         dispatch.required_specs("sm90")
 
 

@@ -14,7 +14,7 @@ from flash_reasoning import (PhysicalKVAllocator, PoolExhausted, StalePlan, Tree
                              UnknownBranch, paged_decode, reference, runtime, tree_attention)
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.ops.tree_attention import TABLE_HEADROOM_BLOCKS
-from flash_reasoning.synthetic import paged_problem, random_branches, random_kv
+from flash_reasoning.tools.synthetic import paged_problem, random_branches, random_kv
 
 BS, KV_HEADS, HEAD_DIM = 4, 1, 8
 CHILDREN = 10

@@ -28,7 +28,7 @@ BLOCK_TRITON = textwrap.dedent("""
 
 RUN = textwrap.dedent("""
     import flash_reasoning, torch
-    from flash_reasoning.synthetic import paged_problem
+    from flash_reasoning.tools.synthetic import paged_problem
     device = "cuda" if torch.cuda.is_available() else "cpu"
     p = paged_problem([40, 7], 8, 2, head_dim=128, device=device)
     out = flash_reasoning.paged_decode(p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)

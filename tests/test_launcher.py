@@ -1,4 +1,4 @@
-"""Tests of the C++ kernel launcher (flash_reasoning._launcher), runnable without a GPU.
+"""Tests of the C++ kernel launcher (flash_reasoning._core), runnable without a GPU.
 
 libcuda is loaded at most once per process, so every test that touches the driver runs in a
 fresh interpreter (`isolated`), with FLASH_REASONING_LIBCUDA pointing at a missing file, at a
@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from flash_reasoning import _launcher
-from flash_reasoning._launcher import Hole, Launcher, LauncherError
+from flash_reasoning import _core
+from flash_reasoning._core import Hole, Launcher, CoreError
 
 NAME = "paged_decode_fp16_d128_m16_n64_split0_w4_s2"
 CUBIN = b"CUBIN: stands in for a real cubin"
@@ -50,7 +50,7 @@ def write_arch(root, kernels=None, arch="sm90", cubins=None, **top):
 
 
 def raises(fn, *fragments):
-    with pytest.raises(LauncherError) as info:
+    with pytest.raises(CoreError) as info:
         fn()
     for f in fragments:
         assert f in str(info.value), f"{f!r} not in {str(info.value)!r}"
@@ -60,11 +60,11 @@ def raises(fn, *fragments):
 
 PRELUDE = """
 import ctypes, json, os
-from flash_reasoning import _launcher as L
+from flash_reasoning import _core as L
 def attempt(fn):
     try:
         return {"ok": fn()}
-    except L.LauncherError as e:
+    except L.CoreError as e:
         return {"error": str(e), "code": e.code}
 out = {}
 """
@@ -90,7 +90,7 @@ def isolated(body, libcuda):
     (90, ["sm80", "sm89", "sm90"], "sm90"),
 ])
 def test_select_arch(cc, available, expected):
-    assert _launcher.select_arch(cc, available) == expected
+    assert _core.select_arch(cc, available) == expected
 
 
 @pytest.mark.parametrize("cc, available, device", [
@@ -102,7 +102,7 @@ def test_select_arch(cc, available, expected):
     (90, ["sm80", "sm89"], "sm90"),
 ])
 def test_select_arch_no_match(cc, available, device):
-    err = raises(lambda: _launcher.select_arch(cc, available), device, *available)
+    err = raises(lambda: _core.select_arch(cc, available), device, *available)
     assert err.code == 7
 
 

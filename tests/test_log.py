@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from flash_reasoning import TreeAttentionPlan, dispatch, log, tuning_table
-from flash_reasoning.bench import case_allocator, seed_case
+from flash_reasoning.tools.bench import case_allocator, seed_case
 from flash_reasoning.ops.paged_decode import decode_launches
-from flash_reasoning.synthetic import paged_problem
+from flash_reasoning.tools.synthetic import paged_problem
 
 
 def seed_plan(batch=16, prefix=256, leaf=64):
@@ -131,7 +131,7 @@ def test_unknown_level_warns_instead_of_failing():
 def test_env_var_sends_records_to_stderr():
     code = textwrap.dedent("""
         from flash_reasoning import TreeAttentionPlan
-        from flash_reasoning.bench import case_allocator, seed_case
+        from flash_reasoning.tools.bench import case_allocator, seed_case
         alloc, leaves = case_allocator(seed_case(4, 64, 16), device="cpu")
         TreeAttentionPlan(alloc, leaves, 32, num_sms=132, arch="sm90")
     """)

@@ -11,8 +11,8 @@ from conftest import gpu, interpreter, poisoned_like
 from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, paged_decode, reference,
                              runtime, tree_attention)
 from flash_reasoning.ops.paged_decode import decode_launches
-from flash_reasoning.synthetic import paged_problem, random_kv
-from flash_reasoning.tree import build_branches, from_levels
+from flash_reasoning.tools.synthetic import paged_problem, random_kv
+from flash_reasoning.tools.trees import build_branches, from_levels
 
 DTYPES = [torch.float16, torch.bfloat16]
 #: (center, spread) of the logits: every key's logit is center + spread * N(0, 1) (+ N(0, 1)).

@@ -6,7 +6,7 @@ import torch
 from conftest import HAS_GPU, gpu, interpreter, poisoned_like
 from flash_reasoning import paged_decode, reference
 from flash_reasoning.ops.paged_decode import decode_launches
-from flash_reasoning.synthetic import paged_problem
+from flash_reasoning.tools.synthetic import paged_problem
 
 DTYPES = [torch.float16, torch.bfloat16]
 

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, dispatch, planner
-from flash_reasoning.bench import case_allocator, load_cases, seed_case, table_cases
+from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
-from flash_reasoning.synthetic import random_branches
+from flash_reasoning.tools.synthetic import random_branches
 
 H100 = dict(num_sms=132, dtype_bytes=2)
 
@@ -86,13 +86,13 @@ def check_plan(tree, arrays, group):
 @given(branches=st.integers(1, 40), depth=st.integers(1, 10), tokens=st.integers(0, 70),
        group=st.sampled_from([1, 2, 4, 8, 16]), chunk=st.sampled_from([None, 64, 128]),
        merge=st.sampled_from([None, False, True]), one_tile=st.sampled_from([None, False, True]),
-       absorb=st.sampled_from([None, False]), seed=st.integers(0, 2**16))
+       host_nodes=st.sampled_from([None, False]), seed=st.integers(0, 2**16))
 def test_plan_covers_every_path_once(branches, depth, tokens, group, chunk, merge, one_tile,
-                                     absorb, seed):
+                                     host_nodes, seed):
     alloc = PhysicalKVAllocator(400, 8, 2, 8, device="cpu")
     ids = random_branches(alloc, branches, depth, tokens, seed=seed, roots=1 + seed % 2)
     tree, arrays = plan_for(alloc, ids, 2 * group, target_chunk=chunk, separate_merge=merge,
-                            one_tile=one_tile, absorb=absorb)
+                            one_tile=one_tile, host_nodes=host_nodes)
     check_plan(tree, arrays, group)
     if merge is not None:
         assert arrays.separate_merge == merge
@@ -357,18 +357,18 @@ def test_chunks_aim_for_programs_per_sm_by_what_runs_beside_them(name, chunk_tok
 def test_a_lone_root_outweighed_by_its_leaves_leaves_whole_sms_to_them():
     """``leaves_outweigh_root``: the leaves' HBM time against the root's estimated time (its
     programs' KV tiles, 2.4 us each in the wide tile, or its own bytes)."""
-    from flash_reasoning import _launcher
+    from flash_reasoning import _core
     root = dict(root_tokens=2048, root_tiles=8, root_programs=128, wide_tile=True,
                 num_kv_heads=32, head_dim=128, **H100)  # 16 KB of K and V a token
     # seed_b64/q32kv32's 64 leaves of 64 tokens: 22.4 us of HBM against 8 x 2.4 = 19.2 us.
-    assert _launcher.leaves_outweigh_root(**root, leaf_tokens=64 * 64)
-    assert not _launcher.leaves_outweigh_root(**root, leaf_tokens=16 * 64)
+    assert _core.leaves_outweigh_root(**root, leaf_tokens=64 * 64)
+    assert not _core.leaves_outweigh_root(**root, leaf_tokens=16 * 64)
     # A root read at the narrow tile is bound by its own 33.5 MB (11.2 us), not its tiles.
     narrow = {**root, "wide_tile": False}
-    assert not _launcher.leaves_outweigh_root(**narrow, leaf_tokens=32 * 64)
-    assert _launcher.leaves_outweigh_root(**narrow, leaf_tokens=36 * 64)
+    assert not _core.leaves_outweigh_root(**narrow, leaf_tokens=32 * 64)
+    assert _core.leaves_outweigh_root(**narrow, leaf_tokens=36 * 64)
     # Two waves of root programs double its tiles' time.
-    assert not _launcher.leaves_outweigh_root(**{**root, "root_programs": 300},
+    assert not _core.leaves_outweigh_root(**{**root, "root_programs": 300},
                                               leaf_tokens=64 * 64)
 
 
@@ -377,8 +377,8 @@ def test_final_waves_count_the_programs_each_kernel_fits(lanes, resident):
     """The final launch's waves in the cost model: the one-branch kernel fits 6 programs per SM,
     the packed kernel (two lanes or more: 240 registers, 39 KB of shared memory) 4 (ncu, H100,
     docs/perf.md session 29)."""
-    from flash_reasoning import _launcher
-    assert _launcher.final_programs_per_sm(lanes) == resident
+    from flash_reasoning import _core
+    assert _core.final_programs_per_sm(lanes) == resident
 
 
 def test_lanes_do_not_apply_to_separate_merges():
@@ -398,20 +398,20 @@ def test_a_plan_without_partials_runs_as_a_paged_decode():
     alloc = PhysicalKVAllocator(1200, 16, 8, 64, device="cpu")
     ids = [alloc.alloc_branch(100).branch_id for _ in range(256)]
     decode = plan_for(alloc, ids, 32)[1]
-    assert (decode.decode, decode.final_lanes, decode.num_entries) == (True, 1, 0)
+    assert (decode.as_paged_decode, decode.final_lanes, decode.num_entries) == (True, 1, 0)
     forced = plan_for(alloc, ids, 32, final_lanes=4)[1]
-    assert (forced.decode, forced.final_lanes) == (False, 4)
+    assert (forced.as_paged_decode, forced.final_lanes) == (False, 4)
     split = plan_for(alloc, ids, 32, separate_merge=False, target_chunk=64)[1]
-    assert split.num_entries and not split.decode
+    assert split.num_entries and not split.as_paged_decode
     root = alloc.alloc_branch(256).branch_id
     shared = [alloc.alloc_branch(300, parent_branch_id=root, fork_position=256).branch_id
               for _ in range(64)]
-    assert not plan_for(alloc, shared, 32, flat=False)[1].decode
+    assert not plan_for(alloc, shared, 32, flat=False)[1].as_paged_decode
 
 
 def test_merge_steps_match_the_merge_kernel():
-    from flash_reasoning import _launcher, dispatch
-    assert _launcher.MERGE_SLOTS_PER_STEP == dispatch.MERGE_BLOCK_S
+    from flash_reasoning import _core, dispatch
+    assert _core.MERGE_SLOTS_PER_STEP == dispatch.MERGE_BLOCK_S
 
 
 def test_final_kernel_rows_are_the_planner_narrow_tile():
@@ -441,15 +441,15 @@ def test_few_waves_of_unequal_items_run_each_items_heads_together(lengths, items
     """``heads_first_order`` at 8 KV heads on 132 SMs: a longest item at least twice the
     shortest, at most 4 programs per SM (66 items); never more items than a grid's second
     dimension holds."""
-    from flash_reasoning import _launcher
-    assert (_launcher.HEADS_FIRST_LENGTH_RATIO, _launcher.HEADS_FIRST_PROGRAMS_PER_SM) == (2, 4)
-    assert _launcher.heads_first_order(lengths, items, 8, 132) == heads_first
-    assert _launcher.heads_first_order([1280, 128], 65535, 1, 20000)
-    assert not _launcher.heads_first_order([1280, 128], 65536, 1, 20000)
+    from flash_reasoning import _core
+    assert (_core.HEADS_FIRST_LENGTH_RATIO, _core.HEADS_FIRST_PROGRAMS_PER_SM) == (2, 4)
+    assert _core.heads_first_order(lengths, items, 8, 132) == heads_first
+    assert _core.heads_first_order([1280, 128], 65535, 1, 20000)
+    assert not _core.heads_first_order([1280, 128], 65536, 1, 20000)
 
 
 def test_plans_order_their_launches_by_item_lengths():
-    """Each node with items of its own (``absorb=False``), ft_1,4,16,512/q32kv8's partial launch
+    """Each node with items of its own (``host_nodes=False``), ft_1,4,16,512/q32kv8's partial launch
     (a folded root's 1280-token items, then 128-token ones, 3.9 programs per SM) runs each item's
     heads together; /q32kv32's (7.8 programs per SM) and seed_b256's root (equal chunks), each
     head's items."""
@@ -458,7 +458,7 @@ def test_plans_order_their_launches_by_item_lengths():
                            ("seed_b256/q32kv8", {64: False})):
         case = next(c for c in load_cases()["cases"] if c["name"] == name)
         alloc, leaves = case_allocator(case, device="cpu")
-        tree, arrays = plan_for(alloc, leaves, 32, absorb=False)
+        tree, arrays = plan_for(alloc, leaves, 32, host_nodes=False)
         assert arrays.heads_first == expected, name
 
 
@@ -468,15 +468,15 @@ def test_plans_order_their_launches_by_item_lengths():
 def test_nodes_whose_rows_are_whole_tiles_are_read_in_their_host_items(name, lengths, entries):
     """A computed node whose (branch, head) rows are whole wide tiles of its nearest computed
     ancestor's has no items: those tiles read on through its tokens, and its branches merge one
-    partial fewer; a node of half a tile keeps its own (``absorb=False``: every node its own)."""
+    partial fewer; a node of half a tile keeps its own (``host_nodes=False``: every node its own)."""
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu")
     start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
-    for absorb in (None, False):
-        tree, arrays = plan_for(alloc, leaves, 32, absorb=absorb)
+    for host_nodes in (None, False):
+        tree, arrays = plan_for(alloc, leaves, 32, host_nodes=host_nodes)
         check_plan(tree, arrays, 32 // case["num_kv_heads"])
         records = arrays.items[64]
-        if absorb is None:
+        if host_nodes is None:
             assert set((records[:, end] - records[:, start]).tolist()) == lengths
             assert arrays.num_entries == entries
         else:
@@ -492,8 +492,8 @@ def test_packed_final_launches_run_each_programs_heads_together(lanes, common, p
     """``final_heads_first``: packed final launches without shared ranges, over token rows of
     at least 4 KB (a token's K across the KV heads), of no more programs than a grid's second
     dimension holds."""
-    from flash_reasoning import _launcher
-    assert _launcher.final_heads_first(lanes, common, programs, row_bytes) == heads_first
+    from flash_reasoning import _core
+    assert _core.final_heads_first(lanes, common, programs, row_bytes) == heads_first
 
 
 def test_plans_order_their_final_launches():
@@ -508,7 +508,7 @@ def test_plans_order_their_final_launches():
         case = next(c for c in load_cases()["cases"] if c["name"] == name)
         alloc, leaves = case_allocator(case, device="cpu", random=False)
         tree, arrays = plan_for(alloc, leaves, 32)
-        packed = arrays.final_lanes > 1 and not arrays.separate_merge and not arrays.decode
+        packed = arrays.final_lanes > 1 and not arrays.separate_merge and not arrays.as_paged_decode
         wide_rows = alloc.num_kv_heads * alloc.head_dim * 2 >= 4096
         assert arrays.final_heads_first == expected == (packed and not arrays.has_common
                                                         and wide_rows), name
@@ -517,10 +517,10 @@ def test_plans_order_their_final_launches():
 def test_item_fields_match_the_core():
     """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS and
     COMMON_FIELDS."""
-    from flash_reasoning import _launcher
-    assert tuple(_launcher.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
-    assert tuple(_launcher.COMMON_FIELDS) == COMMON_FIELDS
-    assert dispatch.CONTIGUOUS_RUNS == tuple(range(1, _launcher.MAX_ITEM_RUNS + 1))
+    from flash_reasoning import _core
+    assert tuple(_core.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
+    assert tuple(_core.COMMON_FIELDS) == COMMON_FIELDS
+    assert dispatch.SLOT_RUN_COUNTS == tuple(range(1, _core.MAX_ITEM_RUNS + 1))
 
 
 def check_shared_ranges(alloc, ids, arrays):
@@ -568,7 +568,7 @@ def test_sibling_leaves_read_their_shared_path_once():
     """A flat plan of four sibling leaves per program (nodes of 32, 16, 16 tokens, then 5 own
     each): each program reads the 64-token path once; eight lanes span two parents and share
     the 48 tokens above them. Unpacked plans have no shared ranges."""
-    from flash_reasoning.bench import level_case
+    from flash_reasoning.tools.bench import level_case
     case = level_case("deep", (1, 2, 8, 32), (32, 16, 16, 5), num_kv_heads=4, num_qo_heads=16,
                       head_dim=8)
     alloc, leaves = case_allocator(case, device="cpu", random=False)
@@ -667,7 +667,7 @@ def test_item_runs_need_closed_shared_ranges_broken_once_at_most(records, runs, 
         final_start=np.array([32, 16, 40], np.int32), merge_ptr=None, entry_slot=None,
         common=np.zeros((0, 3), np.int32), num_entries=0, work=work, work_offsets=None,
         separate_merge=False, final_lanes=1, final_block_m=16, heads_first={64: False},
-        final_heads_first=False, early_final=False, decode=False)
+        final_heads_first=False, early_final=False, as_paged_decode=False)
     assert planner.item_runs(arrays, mirror, rows, 8) == {64: runs}
     split = TREE_ITEM_FIELDS.index("run_split")
     written = np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))
@@ -677,18 +677,18 @@ def test_item_runs_need_closed_shared_ranges_broken_once_at_most(records, runs, 
 
 
 def test_item_runs_reject_bad_tables_and_records_it_cannot_write():
-    from flash_reasoning import _launcher
+    from flash_reasoning import _core
     records = np.array([item(0, 0, 8)], np.int32)
     starts = np.array([8], np.int32)
     for tables, rows, match in [(np.zeros(4, np.int64), np.array([0]), "2-D"),
                                 (np.zeros((1, 4), np.int64), np.array([1]), "index tables"),
                                 (np.zeros((1, 4), np.int64), np.array([0, 0]), "rows must be")]:
         with pytest.raises(ValueError, match=match):
-            _launcher.item_runs(records, starts, tables, rows, 8)
+            _core.item_runs(records, starts, tables, rows, 8)
     read_only = records.copy()
     read_only.flags.writeable = False
     # A converted copy would take the splits and drop them: only the array itself is written.
     for bad in (records[:, :4], records.astype(np.int64), read_only,
                 np.asfortranarray(np.repeat(records, 2, axis=0))):
         with pytest.raises(ValueError, match="records must be"):
-            _launcher.item_runs(bad, starts, np.zeros((1, 4), np.int64), np.array([0]), 8)
+            _core.item_runs(bad, starts, np.zeros((1, 4), np.int64), np.array([0]), 8)

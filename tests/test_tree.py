@@ -8,10 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flash_reasoning import _launcher
+from flash_reasoning import _core
 from flash_reasoning.allocator import PhysicalKVAllocator
-from flash_reasoning.bench import load_cases
-from flash_reasoning.tree import SegmentTree, TreeSpec, build_branches, from_levels, load_fasttree
+from flash_reasoning.tools.bench import load_cases
+from flash_reasoning.segment_tree import SegmentTree
+from flash_reasoning.tools.trees import TreeSpec, build_branches, from_levels, load_fasttree
 
 BS = 4
 
@@ -163,7 +164,7 @@ def test_random_trees_match_brute_force(seed):
 def test_tree_from_block_tables_equals_the_allocators(seed):
     """The C ABI reads sharing from block tables alone; with every token written (no zero
     blocks) that must give the allocator's tree, node for node."""
-    from flash_reasoning.synthetic import random_branches
+    from flash_reasoning.tools.synthetic import random_branches
     alloc = PhysicalKVAllocator(600, BS, 1, 2, device="cpu")
     ids = random_branches(alloc, 1 + seed % 30, 1 + seed % 8, seed % 20, seed=seed,
                           roots=1 + seed % 3)
@@ -266,7 +267,7 @@ def test_keyed_tree_order_is_the_stable_sort_of_the_keys(data):
     keys = np.array([[data.draw(st.integers(0, 2)) if start < length else -1
                       for start in breaks.tolist()] for length in lengths.tolist()],
                     np.int64).reshape(n, breaks.size)
-    arrays = _launcher.segment_tree(lengths, breaks, keys)
+    arrays = _core.segment_tree(lengths, breaks, keys)
     assert arrays["order"].tolist() == trie_order(keys.tolist(), lambda key: key == -1)
 
 

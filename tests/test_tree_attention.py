@@ -8,15 +8,15 @@ from hypothesis import strategies as st
 from conftest import gpu, interpreter, poisoned_like
 from flash_reasoning import (PhysicalKVAllocator, StalePlan, TreeAttentionPlan, UnknownBranch,
                              reference, tree_attention)
-from flash_reasoning import _launcher, runtime
-from flash_reasoning._launcher import LauncherError
-from flash_reasoning.bench import case_allocator, load_cases
+from flash_reasoning import _core, runtime
+from flash_reasoning._core import CoreError
+from flash_reasoning.tools.bench import case_allocator, load_cases
 from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
 from flash_reasoning.runtime import TensorMap
 from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
-from flash_reasoning.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
+from flash_reasoning.tools.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
                                        random_kv)
-from flash_reasoning.tree import build_branches, from_levels
+from flash_reasoning.tools.trees import build_branches, from_levels
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -109,7 +109,7 @@ def test_decode_plan_interpreted(dtype, heads):
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=40, seed=12)
     q = queries(alloc, ids, heads[0])
     plan, out = interpret(alloc, ids, q, flat=True)
-    assert plan.arrays.decode and plan.arrays.num_entries == 0
+    assert plan.arrays.as_paged_decode and plan.arrays.num_entries == 0
     assert [launch.spec.family for launch in plan.launches(q, None, None, None)] == [
         "paged_decode"]
     check(out, q, alloc, ids)
@@ -165,9 +165,9 @@ def test_contiguous_partials_interpreted(scattered, separate):
     check(out, q, alloc, ids)
     partial = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
     assert len(partial) == 1  # the root's chunks (and the final ranges' when separate)
-    assert partial[0]["CONTIGUOUS"] == (not scattered and not separate)
+    assert partial[0]["SLOT_RUNS"] == (not scattered and not separate)
     assert partial[0]["PAGE"] == 0  # 8-token pages are not compiled as a constant
-    assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["CONTIGUOUS"]}
+    assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["SLOT_RUNS"]}
 
 
 @interpreter
@@ -184,7 +184,7 @@ def test_contiguous_partials_whole_tiles_and_tails_interpreted(root_tokens, leng
     plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
     check(out, q, alloc, ids)
     (partial,) = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
-    assert (partial["CONTIGUOUS"], partial["BLOCK_M"], partial["BLOCK_N"]) == (1, block_m, block_n)
+    assert (partial["SLOT_RUNS"], partial["BLOCK_M"], partial["BLOCK_N"]) == (1, block_m, block_n)
     (records,) = plan.arrays.items.values()
     start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
     assert list(records[:, end] - records[:, start]) == lengths
@@ -205,7 +205,7 @@ def test_two_run_partials_interpreted(piece_blocks, root_tokens, splits, num_qo_
     plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
     check(out, q, alloc, ids)
     (partial,) = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
-    assert (partial["CONTIGUOUS"], partial["BLOCK_M"]) == (2, block_m)
+    assert (partial["SLOT_RUNS"], partial["BLOCK_M"]) == (2, block_m)
     assert plan.contiguous == {block_m: 2}
     (records,) = plan.arrays.items.values()
     split = TREE_ITEM_FIELDS.index("run_split")
@@ -244,7 +244,7 @@ def test_tensor_map_partials_interpreted(scattered, head_dim):
     check(out, q, alloc, ids)
     launch = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)[0]
     assert launch.spec.family == "tree_partial" and launch.spec.key["TMA"] == 1
-    assert launch.spec.key["CONTIGUOUS"] == 1 + scattered and launch.spec.key["BLOCK_M"] == 64
+    assert launch.spec.key["SLOT_RUNS"] == 1 + scattered and launch.spec.key["BLOCK_M"] == 64
     slots, row = alloc.num_blocks * alloc.block_size, alloc.num_kv_heads * alloc.head_dim
     assert launch.args[1:3] == (TensorMap(alloc.k_pools[0], slots, row),
                                 TensorMap(alloc.v_pools[0], slots, row))
@@ -329,7 +329,7 @@ def test_contiguous_cannot_be_forced():
     plan = TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", flat=False,
                              contiguous=False)
     assert plan.contiguous == {} and all(
-        spec.key["CONTIGUOUS"] == 0 for spec, _, _ in plan._templates
+        spec.key["SLOT_RUNS"] == 0 for spec, _, _ in plan._templates
         if spec.family == "tree_partial")
 
 
@@ -421,7 +421,7 @@ def test_shared_ranges_interpreted(dtype, heads, lanes, block_size):
     the narrow final tile and the wide one (groups 4, 1 and 16), over a deep tree whose nodes
     end inside blocks: 13 leaves, so the last program has one lane; matches the reference before
     and after decode steps (one lane left behind)."""
-    from flash_reasoning.bench import level_case
+    from flash_reasoning.tools.bench import level_case
     case = level_case("deep", (1, 2, 4, 13), (19, 16, 24, 9), num_qo_heads=heads[0],
                       num_kv_heads=heads[1], head_dim=64, dtype=str(dtype).split(".")[-1])
     alloc, ids = case_allocator(case, device="cpu", block_size=block_size)
@@ -447,9 +447,9 @@ def test_compiled_page_size_interpreted(block_size, page, separate, lanes):
     extra = {} if separate else {"final_lanes": lanes}
     plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, **extra)
     attention = [spec for spec, _, _ in plan._templates if spec.family != "tree_merge"]
-    paged = [spec for spec in attention if not spec.key.get("CONTIGUOUS")]
+    paged = [spec for spec in attention if not spec.key.get("SLOT_RUNS")]
     assert paged and all(spec.key["PAGE"] == page for spec in paged)
-    assert all(spec.key["PAGE"] == 0 for spec in attention if spec.key.get("CONTIGUOUS"))
+    assert all(spec.key["PAGE"] == 0 for spec in attention if spec.key.get("SLOT_RUNS"))
     check(out, q, alloc, ids)
 
 
@@ -605,15 +605,15 @@ def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk, separate
     alloc, ids = forest("cpu", num_kv_heads=8, head_dim=128, tokens=200)
     plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk,
                              separate_merge=separate, flat=False)
-    launcher = _launcher.Launcher(runtime.artifact_root() / "sm90", 0)
+    launcher = _core.Launcher(runtime.artifact_root() / "sm90", 0)
     monkeypatch.setattr(runtime, "_launcher_for", lambda device_index: launcher)
     prepared = runtime.prepare(plan.launches, PER_CALL_POINTERS, alloc.device)
     assert prepared.holes == list(PER_CALL_POINTERS)
     assert prepared.num_launches == len(plan._templates) >= 2
-    with pytest.raises(LauncherError, match=rf"pointer 3 \('out', passed as argument 'out' of "
+    with pytest.raises(CoreError, match=rf"pointer 3 \('out', passed as argument 'out' of "
                                             rf"kernel '{last}_.*0x48, not 16-byte aligned"):
         prepared.run((16, 32, 48, 72), 0)
-    with pytest.raises(LauncherError, match=r"pointer 1 \('k_pool', .* is null"):
+    with pytest.raises(CoreError, match=r"pointer 1 \('k_pool', .* is null"):
         prepared.run((16, 0, 48, 64), 0)
 
 
@@ -699,7 +699,7 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
     assert plan._prepared.num_launches == len(plan._templates) >= 2
     out = poisoned_like(q)
     pointers = (q.data_ptr(), *(p.data_ptr() for p in pools), out.data_ptr() + 2)
-    with pytest.raises(LauncherError, match=r"pointer 3 \('out'.*not 16-byte aligned"):
+    with pytest.raises(CoreError, match=r"pointer 3 \('out'.*not 16-byte aligned"):
         plan._prepared.run(pointers, runtime.current_raw_stream(q.device.index))
     torch.cuda.synchronize()
     assert out.isnan().all()
@@ -718,7 +718,7 @@ def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
     alloc, leaves = case_allocator(next(c for c in load_cases()["cases"] if c["name"] == name))
     q = queries(alloc, leaves, 32)
     plan = TreeAttentionPlan(alloc, leaves, 32, separate_merge=separate, flat=False,
-                             early_final=early, absorb=False)
+                             early_final=early, host_nodes=False)
     last = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)[-1].spec
     assert last.family == ("tree_merge" if separate else "tree_final")
     assert last.overlaps_previous == (plan.arch == "sm90")
@@ -785,7 +785,7 @@ def test_gpu_decode_plan_follows_growth():
     alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=300, tokens=100,
                         block_size=16)
     plan = TreeAttentionPlan(alloc, ids, 32, flat=True)
-    assert plan.arrays.decode
+    assert plan.arrays.as_paged_decode
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
         q = queries(alloc, ids, 32, seed=step)

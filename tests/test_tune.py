@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import gpu
-from flash_reasoning import dispatch, tune, tuning_table
+from flash_reasoning import dispatch, tuning_table
+from flash_reasoning.tools import tune
 
 CONFIGS = [(16, 2, 1), (32, 2, 2), (64, 4, 2), (128, 8, 2)]
 
@@ -131,9 +132,9 @@ def fake_manifest():
         entry("paged_decode", 64, 4, 2, BLOCK_M=16, SPLIT=0),
         entry("paged_decode", 32, 2, 2, BLOCK_M=16, SPLIT=0),
         entry("paged_decode", 64, 4, 3, BLOCK_M=16, SPLIT=1),
-        entry("tree_partial", 64, 4, 3, BLOCK_M=64, CONTIGUOUS=0),
-        entry("tree_partial", 32, 2, 2, BLOCK_M=16, CONTIGUOUS=0),
-        entry("tree_partial", 128, 8, 2, BLOCK_M=64, CONTIGUOUS=2),
+        entry("tree_partial", 64, 4, 3, BLOCK_M=64, SLOT_RUNS=0),
+        entry("tree_partial", 32, 2, 2, BLOCK_M=16, SLOT_RUNS=0),
+        entry("tree_partial", 128, 8, 2, BLOCK_M=64, SLOT_RUNS=2),
         entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0, COMMON=0),
         entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1, COMMON=0),
         entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1, COMMON=0),
@@ -154,7 +155,7 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     assert tune.compiled_configs(manifest, "tree_final/bfloat16/128") == []
     assert tune.compiled_configs(manifest, "tree_partial/float16/128/64/two_runs") == \
         [(128, 8, 2)]
-    assert tune.compiled_configs(manifest, "tree_partial/float16/128/64/contiguous") == []
+    assert tune.compiled_configs(manifest, "tree_partial/float16/128/64/one_run") == []
 
 
 def test_a_refit_replaces_the_measured_lists_and_keeps_the_rest():

@@ -14,7 +14,7 @@ from conftest import (allocator_snapshot, assert_allocator_unchanged, gpu, poiso
 from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, UnknownBranch,
                              kv_cache, paged_decode, reference, tree_attention)
 from flash_reasoning.allocator import MAX_TOKENS, DecodeStep
-from flash_reasoning.synthetic import PagedProblem, paged_problem, random_branches, random_kv
+from flash_reasoning.tools.synthetic import PagedProblem, paged_problem, random_branches, random_kv
 
 KV_HEADS, QO_HEADS, HEAD_DIM, LAYERS = 2, 4, 64, 2
 

@@ -70,12 +70,12 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     Each token's K/V row is addressed through its page id, a division and a remainder by
     ``page_size`` per token: the callers' ``PAGE`` constexpr makes it a constant where the page
     size is one the build compiles for, and the divisions shifts (H100: a shared root's
-    compute-bound tiles 12-14% faster, docs/perf.md session 14). A range whose slots are known
+    compute-bound tiles 12-14% faster). A range whose slots are known
     to be consecutive is :func:`attend_runs`'."""
     m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
     offs = tl.arange(0, BLOCK_N)
     # Each tile's page ids are loaded one iteration ahead: read in the tile's own iteration,
-    # the page table is a third dependent DRAM round trip before K and V (docs/perf.md). The
+    # the page table is a third dependent DRAM round trip before K and V. The
     # first tile's are bounded by the table, not by ``end``: where ``end`` is a length loaded
     # by the caller, both loads are in flight at once (ids past ``end`` are never used).
     page = tl.load(table + (start + offs) // page_size, mask=start + offs < table_tokens,
@@ -100,11 +100,11 @@ def attend_runs(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, 
     """:func:`attend` over a range the caller vouches lies in ``RUNS`` runs of consecutive
     slots (its pages follow one another): [start, end) (``split`` unused), or, with ``RUNS``
     2, [start, split) then [split, end) (a root folded into a child: its pages, then the
-    child's; H100, ft_1,4,16,512/q32kv8's partial launch, docs/perf.md session 27). Each run
+    child's; H100: ft_1,4,16,512/q32kv8's partial launch). Each run
     is :func:`attend_run`. ``TMA``: the pools are TMA descriptors of [slots, KV heads x
     HEAD_DIM] (:func:`load_kv`)."""
     m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
-    # The narrow tile's loop is faster masked in every step (H100, docs/perf.md session 26).
+    # The narrow tile's loop is faster masked in every step (H100).
     if RUNS == 2:
         m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens,
                                    kv_head, num_kv_heads, page_size, start, split,
@@ -124,7 +124,7 @@ def attend_run(m_i, l_i, acc, qt, k_pool, v_pool, table, table_tokens, kv_head, 
     page id for the whole range and no per-token page arithmetic. With
     ``WHOLE_TILES_UNMASKED`` whole tiles run unmasked and the last, partial tile (if any) is
     one masked step after the loop (H100: the 64-row tile's compute-bound roots ~10% faster;
-    the 16-row tile's launches 5-12% slower, docs/perf.md session 26); without, every step is
+    the 16-row tile's launches 5-12% slower); without, every step is
     masked."""
     offs = tl.arange(0, BLOCK_N)
     first = tl.load(table + start // page_size, mask=start < table_tokens, other=0)

@@ -8,10 +8,10 @@ items together, or with ``heads_first`` (few waves of items of unequal lengths) 
 each item's heads together. Row ``f`` of a node's flattened rows is branch
 ``order[row_ptr + f // group]``, head ``kv_head * group + f % group``. Each writes fp32 outputs
 and natural-log LSEs to partial slot ``entry_slot[entry0 + f // group]``: the planner numbers
-slots so that each branch's partials are contiguous. ``CONTIGUOUS`` (1 or 2): the plan found
+slots so that each branch's partials are contiguous. ``SLOT_RUNS`` (1 or 2): the plan found
 every item of the launch in that many runs of consecutive pages at most
 (``planner.item_runs``), so each range is read as runs of slots from their first pages, the
-second from the item's ``run_split`` (``attention_core.attend_runs``). ``TMA`` (contiguous
+second from the item's ``run_split`` (``attention_core.attend_runs``). ``TMA`` (slot runs
 only, ``dispatch.reads_through_tensor_maps``): ``k_pool`` and ``v_pool`` are TMA descriptors of
 the pools as [slots, KV heads x HEAD_DIM], encoded by the launcher (``runtime.TensorMap``).
 
@@ -83,7 +83,7 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
                  sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks, early_final,
                  heads_first,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGE: tl.constexpr, CONTIGUOUS: tl.constexpr, TMA: tl.constexpr,
+                 PAGE: tl.constexpr, SLOT_RUNS: tl.constexpr, TMA: tl.constexpr,
                  PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
@@ -111,11 +111,11 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
     is_open = tl.load(item + OPEN_END) != 0
     seq_len = tl.minimum(tl.load(seq_lens + table_row, mask=is_open, other=0), table_tokens)
     kv_end = tl.where(is_open, seq_len, tl.load(item + KV_END))
-    if CONTIGUOUS:  # closed items (planner.item_runs): kv_end is the record's
+    if SLOT_RUNS:  # closed items (planner.item_runs): kv_end is the record's
         m_i, l_i, acc = attend_runs(qt, k_pool, v_pool, table, table_tokens, kv_head,
                                     num_kv_heads, page_size, tl.load(item + KV_START),
                                     tl.load(item + RUN_SPLIT), kv_end, sm_scale_log2, HEAD_DIM,
-                                    BLOCK_M, BLOCK_N, CONTIGUOUS, TMA)
+                                    BLOCK_M, BLOCK_N, SLOT_RUNS, TMA)
     else:
         m_i, l_i, acc = attend(qt, k_pool, v_pool, table, table_tokens, kv_head,
                                num_kv_heads, page_size, tl.load(item + KV_START), kv_end,
@@ -143,7 +143,7 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
         page_size = PAGE
     d = tl.arange(0, HEAD_DIM)
     if PACKED:  # only packed launches run heads first: the one-branch kernel's program ids stay
-        # constant, since a run-time select there cost up to 13% (docs/perf.md session 28)
+        # constant: a run-time select there cost up to 13% (H100)
         program, tile = item_and_head(heads_first)
         lane, head, row_ok = lane_rows(tile, num_qo_heads, num_kv_heads, lanes, BLOCK_M)
         kv_head = tile

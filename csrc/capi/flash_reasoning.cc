@@ -6,10 +6,10 @@
 #include <new>
 #include <string>
 
-#include "context.h"
-#include "paged_decode.h"
-#include "tree_attention_plan.h"
-#include "version.h"
+#include "runtime/context.h"
+#include "ops/paged_decode.h"
+#include "ops/tree_attention_plan.h"
+#include "util/version.h"
 
 #define FR_EXPORT extern "C" __attribute__((visibility("default")))
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from flash_reasoning import PhysicalKVAllocator, reference
-from flash_reasoning.synthetic import random_kv
+from flash_reasoning.tools.synthetic import random_kv
 
 MAGIC = b"FRTDREF\0"
 VERSION = 1

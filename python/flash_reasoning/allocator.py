@@ -12,7 +12,7 @@ import torch
 
 from . import kv_cache
 from .ops.checks import as_int, check_compiled, check_layer
-from .tree import SegmentTree
+from .segment_tree import SegmentTree
 
 #: The reserved all-zero, read-only block backing every never-written position.
 ZERO_BLOCK = 0

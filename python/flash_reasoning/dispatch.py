@@ -26,17 +26,17 @@ COMPILED_PAGE_SIZES = (16,)
 #: every compiled size.
 PAGE_KERNELS = (0, *COMPILED_PAGE_SIZES)
 #: Rule lists whose kernel is also compiled to read each range as runs of consecutive slots
-#: (``CONTIGUOUS``: the most runs an item's range lies in, ``planner.item_runs``; one run: H100,
+#: (``SLOT_RUNS``: the most runs an item's range lies in, ``planner.item_runs``; one run: H100,
 #: seed_b256/q32kv8 64.6 -> 61.7 us, ft_1,1024/q32kv8 173.1 -> 165.3, docs/perf.md session 19;
 #: two, a root folded into its children's items: session 27), for any page size. Each run count
-#: has its own rule lists (``.../contiguous``, ``.../two_runs``: :data:`CONTIGUOUS_RULE_SUFFIXES`,
+#: has its own rule lists (``.../one_run``, ``.../two_runs``: :data:`SLOT_RUN_RULE_SUFFIXES`,
 #: which the C ABI names alike), from the tuning table where it has them, else those of the
 #: kernels that take the page size at run time.
-CONTIGUOUS_KERNELS = ("tree_partial",)
-#: The runs of consecutive slots the contiguous kernels are compiled for (csrc/core/planner.h's
+SLOT_RUN_KERNELS = ("tree_partial",)
+#: The runs of consecutive slots the slot-run kernels are compiled for (csrc/planner/planner.h's
 #: kMaxItemRuns is the last), and each one's rule-list suffix.
-CONTIGUOUS_RULE_SUFFIXES = {1: "contiguous", 2: "two_runs"}
-CONTIGUOUS_RUNS = tuple(CONTIGUOUS_RULE_SUFFIXES)
+SLOT_RUN_RULE_SUFFIXES = {1: "one_run", 2: "two_runs"}
+SLOT_RUN_COUNTS = tuple(SLOT_RUN_RULE_SUFFIXES)
 #: Query rows per program: the GQA group padded to the smallest tensor-core tile.
 BLOCK_M = 16
 #: Splits (partial slots) merged per step of the merge kernels' loops.
@@ -141,50 +141,50 @@ def _any_launch(config: Config) -> Rules:
 
 
 def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
-             page_size: int = 0, contiguous: int = 0) -> str:
+             page_size: int = 0, slot_runs: int = 0) -> str:
     """The name of a rule list, in tuning tables and the manifest: ``tree_final/float16/128``,
     ``tree_partial/float16/128/64``; the manifest also names the same rules for the kernels of
-    a compiled page size, ``tree_final/float16/128/page16``, and the contiguous kernels' lists
-    (``contiguous``: runs of slots, :data:`CONTIGUOUS_RULE_SUFFIXES`),
-    ``tree_partial/float16/128/64/contiguous`` and ``.../two_runs``."""
+    a compiled page size, ``tree_final/float16/128/page16``, and the slot-run kernels' lists
+    (``slot_runs``: runs of slots, :data:`SLOT_RUN_RULE_SUFFIXES`),
+    ``tree_partial/float16/128/64/one_run`` and ``.../two_runs``."""
     known = tuple(dict.fromkeys(k for k, _ in RULE_LISTS))
     if kernel not in known:
         raise ValueError(f"no dispatch rules for kernel {kernel!r}; known: {known}")
     key = f"{kernel}/{dtype}/{head_dim}"
     key = key if kernel != "tree_partial" else f"{key}/{block_m}"
-    if contiguous:
-        _check_contiguous(kernel, contiguous)
-        return f"{key}/{CONTIGUOUS_RULE_SUFFIXES[contiguous]}"
+    if slot_runs:
+        _check_slot_runs(kernel, slot_runs)
+        return f"{key}/{SLOT_RUN_RULE_SUFFIXES[slot_runs]}"
     page = compiled_page(page_size)
     return f"{key}/page{page}" if page else key
 
 
 def parse_rule_key(key: str) -> tuple[str, str, int, int | None, int]:
-    """(kernel, dtype, head_dim, block_m, contiguous) of a key :func:`rule_key` made for page
+    """(kernel, dtype, head_dim, block_m, slot_runs) of a key :func:`rule_key` made for page
     size 0 (a tuning table's): its inverse."""
     kernel, dtype, head_dim, *rest = key.split("/")
-    runs = {suffix: r for r, suffix in CONTIGUOUS_RULE_SUFFIXES.items()}
-    contiguous = runs[rest.pop()] if rest and rest[-1] in runs else 0
-    return kernel, dtype, int(head_dim), int(rest[0]) if rest else None, contiguous
+    runs = {suffix: r for r, suffix in SLOT_RUN_RULE_SUFFIXES.items()}
+    slot_runs = runs[rest.pop()] if rest and rest[-1] in runs else 0
+    return kernel, dtype, int(head_dim), int(rest[0]) if rest else None, slot_runs
 
 
-def _check_contiguous(kernel: str, runs: int) -> None:
-    if kernel not in CONTIGUOUS_KERNELS:
-        raise ValueError(f"{kernel} has no contiguous kernels; those that do: "
-                         f"{CONTIGUOUS_KERNELS}")
-    if runs not in CONTIGUOUS_RUNS:
-        raise ValueError(f"no contiguous kernels read {runs!r} runs of slots; compiled: "
-                         f"{CONTIGUOUS_RUNS}")
+def _check_slot_runs(kernel: str, runs: int) -> None:
+    if kernel not in SLOT_RUN_KERNELS:
+        raise ValueError(f"{kernel} has no slot-run kernels; those that do: "
+                         f"{SLOT_RUN_KERNELS}")
+    if runs not in SLOT_RUN_COUNTS:
+        raise ValueError(f"no slot-run kernels read {runs!r} runs of slots; compiled: "
+                         f"{SLOT_RUN_COUNTS}")
 
 
 def addressings(kernel: str) -> tuple[tuple[int, int], ...]:
-    """(page size, contiguous) of each compiled way ``kernel``'s rule lists address K/V: the
-    page kernels (:data:`PAGE_KERNELS`; contiguous 0), then, for :data:`CONTIGUOUS_KERNELS`,
-    each count of runs of slots (:data:`CONTIGUOUS_RUNS`; page size 0: any)."""
+    """(page size, slot_runs) of each compiled way ``kernel``'s rule lists address K/V: the
+    page kernels (:data:`PAGE_KERNELS`; slot_runs 0), then, for :data:`SLOT_RUN_KERNELS`,
+    each count of runs of slots (:data:`SLOT_RUN_COUNTS`; page size 0: any)."""
     pages = tuple((page, 0) for page in PAGE_KERNELS)
-    if kernel not in CONTIGUOUS_KERNELS:
+    if kernel not in SLOT_RUN_KERNELS:
         return pages
-    return pages + tuple((0, runs) for runs in CONTIGUOUS_RUNS)
+    return pages + tuple((0, runs) for runs in SLOT_RUN_COUNTS)
 
 
 def compiled_page(page_size: int) -> int:
@@ -195,15 +195,15 @@ def compiled_page(page_size: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def rules(kernel: str, dtype: str, head_dim: int, arch: str,
-          block_m: int | None = None, contiguous: int = 0) -> tuple[Rules, str]:
-    """The rule list serving ``kernel`` (its ``contiguous`` kernels': runs of slots) and where
+          block_m: int | None = None, slot_runs: int = 0) -> tuple[Rules, str]:
+    """The rule list serving ``kernel`` (its ``slot_runs`` kernels': runs of slots) and where
     it comes from: the arch's tuning table (shipped, or ``$FLASH_REASONING_TUNING``) when it
-    has the key, else the page kernels' list (contiguous kernels), else the heuristics."""
-    key = rule_key(kernel, dtype, head_dim, block_m, 0, contiguous)
+    has the key, else the page kernels' list (slot-run kernels), else the heuristics."""
+    key = rule_key(kernel, dtype, head_dim, block_m, 0, slot_runs)
     table = tuning_table.load(arch)
     if table is not None and key in table.rules:
         return table.rules[key], table.source
-    if contiguous:
+    if slot_runs:
         return rules(kernel, dtype, head_dim, arch, block_m)
     return heuristic_rules(kernel, head_dim, arch, block_m), "heuristic"
 
@@ -225,19 +225,19 @@ def pick_rule(rule_list: Rules, max_tokens: int | None, programs: int | None = N
 @functools.lru_cache(maxsize=None)  # a paged decode asks once per call
 def config_for(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None = None,
                block_m: int | None = None, programs: int | None = None,
-               num_sms: int | None = None, contiguous: int = 0) -> Config:
+               num_sms: int | None = None, slot_runs: int = 0) -> Config:
     """(BLOCK_N, num_warps, num_stages) of a ``kernel`` launch of ``programs`` programs on
     ``num_sms`` SMs that walk at most ``max_tokens`` tokens each (``None``: unknown, served
-    as many and long); ``contiguous``: its contiguous kernels' (:func:`rules`)."""
-    rule_list = rules(kernel, dtype, head_dim, arch, block_m, contiguous)[0]
+    as many and long); ``slot_runs``: its slot-run kernels' (:func:`rules`)."""
+    rule_list = rules(kernel, dtype, head_dim, arch, block_m, slot_runs)[0]
     return pick_rule(rule_list, max_tokens, programs, num_sms)[2]
 
 
 def config_reason(kernel: str, dtype: str, head_dim: int, arch: str, max_tokens: int | None,
                   block_m: int | None = None, programs: int | None = None,
-                  num_sms: int | None = None, contiguous: int = 0) -> str:
+                  num_sms: int | None = None, slot_runs: int = 0) -> str:
     """Why :func:`config_for` gives its config: the rule list's source and the matched rule."""
-    rule_list, source = rules(kernel, dtype, head_dim, arch, block_m, contiguous)
+    rule_list, source = rules(kernel, dtype, head_dim, arch, block_m, slot_runs)
     per_sm, bound, _ = pick_rule(rule_list, max_tokens, programs, num_sms)
     fewer = [p for p, _, _ in rule_list if p is not None]
     shorter = [b for p, b, _ in rule_list if p == per_sm and b is not None]
@@ -300,7 +300,7 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
     return make_spec(MERGE_SPLITS, dtype, 4, 1, HEAD_DIM=head_dim, BLOCK_S=MERGE_BLOCK_S)
 
 
-#: head_dims whose wide contiguous walk reads K/V through TMA descriptors on sm90
+#: head_dims whose wide slot-run walk reads K/V through TMA descriptors on sm90
 #: (:func:`reads_through_tensor_maps`). Not 64: there its plans read the same or slower through
 #: them (H100, ft_1,1024/q32kv8 at head_dim 64 83.7 -> 91.9 us, seed_b256/q32kv8 34.3 -> 34.5);
 #: at 256 faster (seed_b256/q32kv8 156.7 -> 146.3, ft_1,1024/q32kv8 459.9 -> 429.5; docs/perf.md
@@ -308,13 +308,13 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
 TENSOR_MAP_HEAD_DIMS = (128, 256)
 
 
-def reads_through_tensor_maps(arch: str, head_dim: int, block_m: int, contiguous: int) -> int:
-    """``tree_partial``'s ``TMA`` constexpr: 1 where the wide tile's contiguous walk loads its K/V
+def reads_through_tensor_maps(arch: str, head_dim: int, block_m: int, slot_runs: int) -> int:
+    """``tree_partial``'s ``TMA`` constexpr: 1 where the wide tile's slot-run walk loads its K/V
     tiles through TMA descriptors the launcher encodes on the host (sm90, head_dim
     :data:`TENSOR_MAP_HEAD_DIMS`): H100, ft_1,1024/q32kv8's root launch 90.4 -> 81.0 us, the
     whole step 159 -> 148 (docs/perf.md session 31). Descriptors built by each program instead
     cost short programs more than they save (session 30)."""
-    return int(arch == "sm90" and contiguous > 0 and block_m == TREE_BLOCK_MS[1]
+    return int(arch == "sm90" and slot_runs > 0 and block_m == TREE_BLOCK_MS[1]
                and head_dim in TENSOR_MAP_HEAD_DIMS)
 
 
@@ -345,21 +345,21 @@ def append_spec() -> Spec:
 @functools.lru_cache(maxsize=None)
 def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
                       config: Config | None = None, page_size: int = 0,
-                      contiguous: int = 0) -> Spec:
-    """``contiguous``: the kernel that reads each item's range as that many runs of
+                      slot_runs: int = 0) -> Spec:
+    """``slot_runs``: the kernel that reads each item's range as that many runs of
     consecutive slots (1 or 2: ``planner.item_runs``), for any page size."""
     check_dtype(dtype)
     check_head_dim(head_dim)
     if block_m not in TREE_BLOCK_MS:
         raise ValueError(f"tree_partial BLOCK_M {block_m} is not compiled: {TREE_BLOCK_MS}")
-    if contiguous:
-        _check_contiguous("tree_partial", contiguous)
+    if slot_runs:
+        _check_slot_runs("tree_partial", slot_runs)
     block_n, warps, stages = config or config_for("tree_partial", dtype, head_dim, arch,
-                                                  block_m=block_m, contiguous=contiguous)
+                                                  block_m=block_m, slot_runs=slot_runs)
     return make_spec(TREE_PARTIAL, dtype, warps, stages, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                     BLOCK_N=block_n, PAGE=0 if contiguous else compiled_page(page_size),
-                     CONTIGUOUS=int(contiguous),
-                     TMA=reads_through_tensor_maps(arch, head_dim, block_m, contiguous),
+                     BLOCK_N=block_n, PAGE=0 if slot_runs else compiled_page(page_size),
+                     SLOT_RUNS=int(slot_runs),
+                     TMA=reads_through_tensor_maps(arch, head_dim, block_m, slot_runs),
                      PDL=grid_dependency(arch))
 
 
@@ -382,13 +382,13 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
                 block_m: int | None = None, page_size: int = 0,
-                contiguous: int = 0) -> Spec:
+                slot_runs: int = 0) -> Spec:
     """The spec of a rule list's kernel (:data:`RULE_LISTS`) at ``config``, for one of its
     :func:`addressings`."""
-    if contiguous:
-        _check_contiguous(kernel, contiguous)
+    if slot_runs:
+        _check_slot_runs(kernel, slot_runs)
     if kernel == "tree_partial":
-        return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, contiguous)
+        return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, slot_runs)
     if kernel.startswith("tree_final"):
         return tree_final_spec(dtype, head_dim, arch, config, kernel != "tree_final", page_size,
                                kernel.endswith("_wide"), kernel.startswith("tree_final_common"))
@@ -417,13 +417,13 @@ def rule_specs(dtype: str, head_dim: int, arch: str) -> dict[str, list[tuple]]:
     """Every rule list of one dtype and head_dim, by key, its configs replaced by their
     kernel specs: ``(max_programs_per_sm, max_tokens, spec)``, for each of a kernel's
     :func:`addressings` (a compiled page size picks the configs of any page size's list)."""
-    return {rule_key(kernel, dtype, head_dim, block_m, page_size, contiguous):
+    return {rule_key(kernel, dtype, head_dim, block_m, page_size, slot_runs):
             [(per_sm, bound, kernel_spec(kernel, dtype, head_dim, arch, config, block_m,
-                                         page_size, contiguous))
+                                         page_size, slot_runs))
              for per_sm, bound, config in rules(kernel, dtype, head_dim, arch, block_m,
-                                                contiguous)[0]]
+                                                slot_runs)[0]]
             for kernel, block_m in RULE_LISTS
-            for page_size, contiguous in addressings(kernel)}
+            for page_size, slot_runs in addressings(kernel)}
 
 
 def required_specs(arch: str) -> list[Spec]:

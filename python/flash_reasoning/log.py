@@ -49,7 +49,7 @@ def enabled() -> bool:
 def config_chosen(kernel: str, config: tuple[int, int, int], dtype: str, arch: str | None,
                   head_dim: int, max_tokens: int | None, block_m: int | None = None,
                   given: bool = False, programs: int | None = None,
-                  num_sms: int | None = None, contiguous: int = 0) -> None:
+                  num_sms: int | None = None, slot_runs: int = 0) -> None:
     """One debug record: ``kernel``'s (BLOCK_N, warps, stages) ``config`` for a launch of
     ``programs`` programs on ``num_sms`` SMs, each of at most ``max_tokens`` tokens, and which
     rule gave it (``dispatch.config_reason``)."""
@@ -57,9 +57,9 @@ def config_chosen(kernel: str, config: tuple[int, int, int], dtype: str, arch: s
     inputs = f"{dtype}, head_dim={head_dim}, max_tokens={max_tokens}, programs={programs}, " \
              f"num_sms={num_sms}"
     inputs += f", block_m={block_m}" if block_m is not None else ""
-    inputs += f", contiguous={contiguous}" if contiguous else ""
+    inputs += f", slot_runs={slot_runs}" if slot_runs else ""
     reason = "given by the caller" if given else dispatch.config_reason(
-        kernel, dtype, head_dim, arch, max_tokens, block_m, programs, num_sms, contiguous)
+        kernel, dtype, head_dim, arch, max_tokens, block_m, programs, num_sms, slot_runs)
     logger.debug("%s (%s): %s -> BLOCK_N %d, %d warps, %d stages (%s)", kernel, arch, inputs,
                  block_n, warps, stages, reason)
 

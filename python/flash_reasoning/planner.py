@@ -1,6 +1,6 @@
 """The tree-attention planner: from a segment tree to what each kernel program computes.
 
-Every node of the :class:`~flash_reasoning.tree.SegmentTree` is either *computed* once for all
+Every node of the :class:`~flash_reasoning.tools.trees.SegmentTree` is either *computed* once for all
 the branches below it (its KV read once, one fp32 partial per branch written and merged later)
 or *folded* into its consumers (its children and the branches ending at it), which then read
 its tokens as part of their own range. The cost model folds a node when re-reading its KV costs
@@ -46,15 +46,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _launcher, dispatch
-from .tree import SegmentTree
+from . import _core, dispatch
+from .segment_tree import SegmentTree
 
 #: The cost model's weight (csrc/core/planner.h, with its chunking constants): re-read KV of
 #: a folded node costs this fraction of an HBM byte (most re-reads hit L2).
-REREAD_WEIGHT = _launcher.REREAD_WEIGHT
+REREAD_WEIGHT = _core.REREAD_WEIGHT
 #: Serial steps (KV tiles + partials) of a final-kernel program from which a plan merges
 #: separately (csrc/core/planner.h).
-SEPARATE_MERGE_STEPS = _launcher.SEPARATE_MERGE_STEPS
+SEPARATE_MERGE_STEPS = _core.SEPARATE_MERGE_STEPS
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,10 @@ class PlanArrays:
     (``heads_first_order`` in csrc/core/planner.h); ``final_heads_first``: the final launch's
     grid is (head tiles, programs), each program's KV heads together (``final_heads_first``
     there); ``early_final``: each partial launch lets the launch after it start at its
-    programs' start, not after their walks. ``decode``:
+    programs' start, not after their walks. ``as_paged_decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
-    tables (``runs_as_decode`` in csrc/core/planner.h says why). ``work``
+    tables (``runs_as_paged_decode`` in csrc/core/planner.h says why). ``work``
     holds order, final_start, merge_ptr, entry_slot and each tile's items packed for one
     upload (common after entry_slot), list ``i`` from ``work_offsets[i]``."""
     order: np.ndarray
@@ -118,7 +118,7 @@ class PlanArrays:
     heads_first: dict[int, bool]
     final_heads_first: bool
     early_final: bool
-    decode: bool
+    as_paged_decode: bool
     stats: dict = field(default_factory=dict)
 
     @property
@@ -141,28 +141,28 @@ def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
          reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
          flat: bool | None = None, final_lanes: int | None = None,
          one_tile: bool | None = None, early_final: bool | None = None,
-         absorb: bool | None = None) -> PlanArrays:
+         host_nodes: bool | None = None) -> PlanArrays:
     """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
-    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``absorb``
+    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``host_nodes``
     override the cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds,
     ``True`` folds every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the
     GQA group; ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
     ``early_final=True`` starts the last launch early even where the plan merges separately; a
-    plan without partial launches never does; ``absorb=False`` gives every computed node items
+    plan without partial launches never does; ``host_nodes=False`` gives every computed node items
     of its own, where the planner reads a node whose rows are whole row tiles of its nearest
     computed ancestor's in that ancestor's items). ``ValueError``
     when the partials would overflow the kernels' int32 indexing, or for lanes out of range."""
     if final_lanes is not None and (type(final_lanes) is not int or final_lanes < 1):
         raise ValueError(f"final_lanes must be a positive int or None, got {final_lanes!r}")
     try:
-        raw = _launcher.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
+        raw = _core.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
                              shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
                              dispatch.FINAL_WIDE_BLOCK_M,
                              target_chunk or 0, reread_weight,
                              _tristate(separate_merge), _tristate(flat),
                              final_lanes or 0, _tristate(one_tile), _tristate(early_final),
-                             _tristate(absorb))
-    except _launcher.LauncherError as err:
+                             _tristate(host_nodes))
+    except _core.CoreError as err:
         raise ValueError(str(err)) from None
     stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),
              "chunk_tokens": raw.pop("chunk_tokens"), "estimated_us": raw.pop("estimated_us"),
@@ -183,7 +183,7 @@ def item_runs(arrays: PlanArrays, tables: np.ndarray, rows: np.ndarray,
     ``arrays.work``: before the upload). Branch ``i``'s block table is ``tables[rows[i]]``
     (int64, host memory, read in place: ``PhysicalKVAllocator.host_tables``). The C ABI decides
     the same way (``csrc/core/planner.h``, ``item_runs``)."""
-    return {block_m: _launcher.item_runs(records, arrays.final_start, tables, rows, block_size)
+    return {block_m: _core.item_runs(records, arrays.final_start, tables, rows, block_size)
             for block_m, records in arrays.items.items()}
 
 

@@ -1,7 +1,7 @@
 """Runs kernel launches on a CUDA device through the C++ launcher and the AOT cubins.
 
 A :class:`Launch` is data (spec, grid, args); this module turns tensors into raw pointers and
-hands them to ``flash_reasoning._launcher`` on torch's current stream. It never imports triton
+hands them to ``flash_reasoning._core`` on torch's current stream. It never imports triton
 and never compiles: a device with no matching cubins gets a clear error.
 """
 from __future__ import annotations
@@ -80,9 +80,9 @@ def require_cuda(device: torch.device | int | None = None) -> torch.device:
 @functools.lru_cache(maxsize=None)
 def arch_of(device_index: int) -> str:
     """The compiled arch that serves this device (e.g. sm86 -> sm80)."""
-    from . import _launcher
+    from . import _core
     major, minor = torch.cuda.get_device_capability(device_index)
-    return _launcher.select_arch(major * 10 + minor, available_archs())
+    return _core.select_arch(major * 10 + minor, available_archs())
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,9 +92,9 @@ def num_sms(device_index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _launcher_for(device_index: int):
-    from . import _launcher
+    from . import _core
     arch_dir = artifact_root() / arch_of(device_index)
-    launcher = _launcher.Launcher(str(arch_dir), device_index)  # validates the manifest
+    launcher = _core.Launcher(str(arch_dir), device_index)  # validates the manifest
     _check_package_version(launcher.package_version, arch_dir / "manifest.json")
     return launcher
 
@@ -118,13 +118,13 @@ def run(launches: Sequence[Launch], device: torch.device) -> None:
 
 def prepare(build: Callable[..., Sequence[Launch]], holes: Sequence[str], device: torch.device):
     """The launches ``build`` returns, converted and checked once by the launcher of
-    ``device`` (a ``_launcher.PreparedLaunches``), for launches whose arguments stay fixed
+    ``device`` (a ``_core.PreparedLaunches``), for launches whose arguments stay fixed
     but for a few pointers. ``build`` is called with one placeholder per name in ``holes``,
     which it puts where that tensor goes; ``.run(pointers, stream)`` then fills them with
     ``pointers`` (data pointers in the order of ``holes``), checks each (non-null, aligned)
     and launches, without converting anything else again."""
-    from . import _launcher
-    launches = build(*(_launcher.Hole(i) for i in range(len(holes))))
+    from . import _core
+    launches = build(*(_core.Hole(i) for i in range(len(holes))))
     specs = [(launch.spec.name, launch.grid, _raw_args(launch.args))
              for launch in launches]  # _raw keeps the placeholders: they are not tensors
     return _launcher_for(device.index).prepare(specs, list(holes))

@@ -99,9 +99,9 @@ TREE_PARTIAL = Family(
     params=_TREE_PAGED + (("order", "*i32"), ("items", "*i32"), ("entry_slot", "*i32"),
                           ("partial_out", "*fp32"), ("partial_lse", "*fp32")) + _TREE_SCALARS
     + (("early_final", "i32"), ("heads_first", "i32")),
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "CONTIGUOUS", "TMA", "PDL"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PAGE", "SLOT_RUNS", "TMA", "PDL"),
     waits_for_previous=True,  # a second partial launch overlaps the first (one per row tile)
-    # TMA (contiguous items only): the pools as [slots, kv_heads * head_dim], a token tile per load
+    # TMA (slot-run items only): the pools as [slots, kv_heads * head_dim], a token tile per load
     tensor_maps=("k_pool", "v_pool"),
     tensor_map_tile=("BLOCK_N", "HEAD_DIM"),
 )

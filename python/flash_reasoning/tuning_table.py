@@ -1,6 +1,6 @@
 """Tuning tables: the measured dispatch rules of one arch, read from JSON.
 
-``python -m flash_reasoning.tune`` times every compiled candidate on a GPU and writes a table;
+``python -m flash_reasoning.tools.tune`` times every compiled candidate on a GPU and writes a table;
 the package ships one per measured arch in ``flash_reasoning/tuning/<arch>.json``. Setting
 ``FLASH_REASONING_TUNING`` to a table's path makes it replace the shipped table of its arch
 (in Python dispatch; the C ABI follows the manifest, which the AOT build exports from the
@@ -68,7 +68,7 @@ def read(path: Path, source: str | None = None) -> Table:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else None
         raise ValueError(f"{source}: not a tuning table of schema {SCHEMA} (found schema "
-                         f"{found!r}); write one with python -m flash_reasoning.tune")
+                         f"{found!r}); write one with python -m flash_reasoning.tools.tune")
     arch, rules = data.get("arch"), data.get("rules")
     if not isinstance(arch, str) or not isinstance(rules, dict):
         raise ValueError(f"{source}: needs a string 'arch' and an object 'rules'")

@@ -93,7 +93,7 @@ def decode_scalars(spec, sm_scale: float, num_qo_heads: int, num_kv_heads: int, 
                    max_blocks: int, per_program: int) -> tuple:
     """The scalar arguments of a launch of the decode kernel ``spec`` whose programs walk at
     most ``per_program`` tokens each (a split: its length, a whole multiple of the KV tile).
-    A tree plan with no partials launches the same kernel (``PlanArrays.decode``)."""
+    A tree plan with no partials launches the same kernel (``PlanArrays.as_paged_decode``)."""
     block_n = dict(spec.constexprs)["BLOCK_N"]
     tokens_per_split = max(math.ceil(per_program / block_n) * block_n, block_n)
     return (sm_scale * math.log2(math.e), num_qo_heads, num_kv_heads, page_size, max_blocks,

@@ -48,7 +48,7 @@ class TreeAttentionPlan:
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2).
-    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``absorb``
+    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``host_nodes``
     force the planner's choices (``flash_reasoning.planner``), for tuning and tests. The attribute
     ``contiguous`` holds, per row tile, the runs of consecutive slots its partial launch reads
     each range as (1 or 2 where its ranges lie in consecutive pages, broken at most once; 0:
@@ -62,7 +62,7 @@ class TreeAttentionPlan:
                  arch: str | None = None, separate_merge: bool | None = None,
                  flat: bool | None = None, final_lanes: int | None = None,
                  one_tile: bool | None = None, early_final: bool | None = None,
-                 absorb: bool | None = None, contiguous: bool | None = None) -> None:
+                 host_nodes: bool | None = None, contiguous: bool | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
@@ -89,7 +89,7 @@ class TreeAttentionPlan:
                               allocator.k_pools[0].element_size(), self.num_sms)
         self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
                                    flat=flat, final_lanes=final_lanes, one_tile=one_tile,
-                                   early_final=early_final, absorb=absorb)
+                                   early_final=early_final, host_nodes=host_nodes)
         # Before the upload: two runs write each item's split into the plan's work buffer.
         self.contiguous = {} if contiguous is False else planner.item_runs(
             self.arrays, *allocator.host_tables(self.branch_ids), allocator.block_size)
@@ -214,7 +214,7 @@ class TreeAttentionPlan:
         grid = ordered_grid(-(-self.num_branches // lanes), tiles, self.arrays.final_heads_first)
         final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
         self.launch_max_tokens.append(final_tokens)
-        if self.arrays.decode:
+        if self.arrays.as_paged_decode:
             templates.append(self._decode_template(dtype, grid, final_tokens, paged))
             return templates
         wide = self.arrays.final_block_m != dispatch.BLOCK_M
@@ -249,7 +249,7 @@ class TreeAttentionPlan:
                                           self.allocator.block_size, runs)
 
     def _decode_template(self, dtype: str, grid: tuple, longest: int, paged: tuple) -> tuple:
-        """A plan with no partials (``PlanArrays.decode``): paged_decode's kernel, unsplit,
+        """A plan with no partials (``PlanArrays.as_paged_decode``): paged_decode's kernel, unsplit,
         over the final launch's ``grid`` (one lane: a program per branch and query tile), each
         program a whole branch (up to its table's capacity, so the plan survives growth); the
         config by the longest branch now."""
@@ -270,7 +270,7 @@ class TreeAttentionPlan:
         if log.enabled():
             log.config_chosen(kernel, config, dtype, self.arch, self.head_dim, max_tokens,
                               block_m, programs=programs, num_sms=self.num_sms,
-                              contiguous=contiguous)
+                              slot_runs=contiguous)
         return config
 
     def _upload_work_lists(self, device: torch.device) -> None:

@@ -1,0 +1,170 @@
+#include "runtime/context.h"
+
+#include <vector>
+
+#include "runtime/arch.h"
+#include "util/file_util.h"
+#include "planner/planner.h"
+#include "util/version.h"
+
+namespace flash_reasoning {
+
+Status check_pointers(std::initializer_list<std::pair<const char*, const void*>> pointers) {
+  for (const auto& p : pointers)
+    if (!p.second || reinterpret_cast<uintptr_t>(p.second) % kPointerAlign)
+      return Status::Error(Code::kInvalidArgument, std::string(p.first) + " must be a non-NULL, " +
+                                                       std::to_string(kPointerAlign) + "-byte aligned device pointer");
+  return Status::Ok();
+}
+
+namespace {
+
+constexpr int kHostOnlySms = 132;  // an H100's: plans made without a device look like its plans
+
+Status check_version(const Manifest& m) {
+  if (m.package_version == kPackageVersion) return Status::Ok();
+  return Status::Error(Code::kInvalidManifest, "manifest " + join_path(m.dir, "manifest.json") +
+                                                   " was built by package version '" + m.package_version +
+                                                   "', this library is " + kPackageVersion +
+                                                   ": use the artifacts installed with it");
+}
+
+}  // namespace
+
+Status Context::load(const std::string& artifact_root, const std::string& arch, int device, int num_sms,
+                     std::unique_ptr<Context>* out) {
+  std::unique_ptr<Launcher> launcher;
+  Status st = Launcher::open(join_path(artifact_root, arch), device < 0 ? 0 : device, &launcher);
+  if (st.ok()) st = check_version(launcher->manifest());
+  if (st.ok() && !launcher->manifest().dispatch.present())
+    st = Status::Error(Code::kInvalidManifest, "manifest of " + arch + " has no dispatch rules: rebuild the artifacts");
+  if (st.ok()) out->reset(new Context(std::move(launcher), device, num_sms));
+  return st;
+}
+
+Status Context::open(const std::string& artifact_root, int device, std::unique_ptr<Context>* out) {
+  std::vector<std::string> archs;
+  Status st = list_folders_with(artifact_root, "manifest.json", &archs);
+  if (!st.ok()) return st;
+  if (device < 0) return Status::Error(Code::kInvalidArgument, "device must be >= 0, got " + std::to_string(device));
+  int cc = 0, num_sms = 0;
+  std::string arch;
+  if (!(st = device_compute_capability(device, &cc)).ok()) return st;
+  if (!(st = select_arch(cc, archs, &arch)).ok()) return st;
+  if (!(st = device_attribute(device, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, &num_sms)).ok()) return st;
+  if (num_sms < 1)
+    return Status::Error(Code::kCudaError, "device " + std::to_string(device) + " reports " + std::to_string(num_sms) +
+                                               " multiprocessors: the driver's answer is unusable");
+  return load(artifact_root, arch, device, num_sms, out);
+}
+
+Status Context::open_host_only(const std::string& artifact_root, const std::string& arch,
+                               std::unique_ptr<Context>* out) {
+  return load(artifact_root, arch, -1, kHostOnlySms, out);
+}
+
+Status Context::require_device(const char* what) const {
+  if (!host_only()) return Status::Ok();
+  return Status::Error(Code::kDriverUnavailable,
+                       std::string(what) + " needs a GPU: this context was created host-only (for planning)");
+}
+
+std::string Context::addressing_rule_key(const std::string& rule_key, int64_t block_size, int runs) const {
+  static const char* const kRunSuffixes[] = {"", "/one_run", "/two_runs"};
+  static_assert(sizeof(kRunSuffixes) / sizeof(kRunSuffixes[0]) == kMaxItemRuns + 1, "a suffix per run count");
+  if (runs > 0 && runs <= kMaxItemRuns) {
+    std::string run = rule_key + kRunSuffixes[runs];
+    if (rules().rules.count(run)) return run;
+  }
+  std::string paged = rule_key + "/page" + std::to_string(block_size);
+  return rules().rules.count(paged) ? paged : rule_key;
+}
+
+Status Context::pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const {
+  Status st = rules().pick(rule_key, max_tokens, programs, num_sms(), kernel);
+  if (st.code == Code::kNotFound) st.code = Code::kUnsupported;
+  return st;
+}
+
+Status Context::launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
+                       CUstream stream, bool after_own_launch) {
+  const KernelInfo& k = this->kernel(kernel);
+  Arg values[kMaxKernelParams];
+  size_t i = 0;
+  for (const NamedArg& a : args) {
+    if (i >= k.params.size() || k.params[i].name != a.name)
+      return Status::Error(Code::kInvalidManifest,
+                           "kernel '" + k.name + "' parameter " + std::to_string(i) + " is '" +
+                               (i < k.params.size() ? k.params[i].name : std::string("(none)")) +
+                               "', the library passes '" + a.name + "': artifacts and library differ");
+    values[i++] = a.value;
+    if (k.params[i - 1].packed.kind != ParamKind::kTensorMap) continue;
+    if (a.rows <= 0)  // the manifest put the view's fields after the map
+      return Status::Error(Code::kInvalidManifest, "kernel '" + k.name + "' reads '" + a.name +
+                                                       "' through a TMA descriptor, but the library passes no view "
+                                                       "of it: artifacts and library differ");
+    for (int64_t field : {a.rows, a.cols, a.cols, int64_t(1)}) values[i++] = Arg::Int(field);
+  }
+  const int64_t grid[3] = {gx, gy, gz};
+  return launcher_->launch(kernel, grid, values, i, stream, after_own_launch);
+}
+
+Status Context::driver(const Driver** d) {
+  Status st = require_device("device memory");
+  if (st.ok()) st = get_driver(d);
+  if (st.ok()) st = launcher_->make_current();
+  return st;
+}
+
+Status Context::alloc(size_t bytes, CUdeviceptr* out) {
+  const Driver* d;
+  Status st = driver(&d);
+  if (!st.ok()) return st;
+  CUresult rc = d->cuMemAlloc_v2(out, bytes);
+  if (rc == CUDA_SUCCESS) return Status::Ok();
+  st = d->error(rc, "cuMemAlloc(" + std::to_string(bytes) + " bytes)");
+  if (rc == CUDA_ERROR_OUT_OF_MEMORY) st.code = Code::kOutOfMemory;
+  return st;
+}
+
+Status Context::free(CUdeviceptr ptr) {
+  const Driver* d;
+  Status st = driver(&d);
+  if (!st.ok() || !ptr) return st;
+  CUresult rc = d->cuMemFree_v2(ptr);
+  return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuMemFree");
+}
+
+Status Context::copy_to_device(CUdeviceptr dst, const void* src, size_t bytes) {
+  const Driver* d;
+  Status st = driver(&d);
+  if (!st.ok() || !bytes) return st;
+  CUresult rc = d->cuMemcpyHtoD_v2(dst, src, bytes);
+  return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuMemcpyHtoD");
+}
+
+Status Context::copy_to_device_async(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  const Driver* d;
+  Status st = driver(&d);
+  if (!st.ok() || !bytes) return st;
+  CUresult rc = d->cuMemcpyHtoDAsync_v2(dst, src, bytes, stream);
+  return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuMemcpyHtoDAsync");
+}
+
+Status Context::copy_to_host(void* dst, CUdeviceptr src, size_t bytes) {
+  const Driver* d;
+  Status st = driver(&d);
+  if (!st.ok() || !bytes) return st;
+  CUresult rc = d->cuMemcpyDtoH_v2(dst, src, bytes);
+  return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuMemcpyDtoH");
+}
+
+Status Context::synchronize(CUstream stream) {
+  const Driver* d;
+  Status st = driver(&d);
+  if (!st.ok()) return st;
+  CUresult rc = d->cuStreamSynchronize(stream);
+  return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuStreamSynchronize");
+}
+
+}  // namespace flash_reasoning
