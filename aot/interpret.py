@@ -27,16 +27,16 @@ def run_interpreted(launches: list[Launch]) -> None:
                                                        **dict(launch.spec.constexprs))
 
 
-def triton_args(launch: Launch) -> list:
+def triton_args(launch: Launch, device: torch.device | str = "cpu") -> list:
     """``launch``'s arguments as a Triton call of its kernel takes them (the interpreter's, or a
-    JIT compile's in the ``ci/explore_*.py`` sweeps): each :class:`TensorMap` a Triton tensor
-    descriptor over its view, tiled as the spec's loads are."""
+    JIT compile's on ``device``: ``benchmarks/warmup.py``): each :class:`TensorMap` a Triton
+    tensor descriptor over its view, tiled as the spec's loads are."""
     signature = launch.spec.signature()
     names = FAMILIES[launch.spec.family].param_names
-    return [_interpreter_arg(a, signature[n], launch) for a, n in zip(launch.args, names)]
+    return [_triton_arg(a, signature[n], launch, device) for a, n in zip(launch.args, names)]
 
 
-def _interpreter_arg(arg, typ: str, launch: Launch):
+def _triton_arg(arg, typ: str, launch: Launch, device):
     if isinstance(arg, TensorMap):
         from triton.tools.tensor_descriptor import TensorDescriptor
         return TensorDescriptor(arg.base.view(arg.rows, arg.cols), [arg.rows, arg.cols],
@@ -44,7 +44,7 @@ def _interpreter_arg(arg, typ: str, launch: Launch):
     if not typ.startswith("*"):
         return arg
     if arg is None:  # a pointer this specialization never touches
-        return torch.empty(1, dtype=_WORD_DTYPES.get(typ, torch.float16))
+        return torch.empty(8, dtype=_WORD_DTYPES.get(typ, torch.float16), device=device)
     if typ == "*i16":  # 16-bit word copies of fp16/bf16 data
         return arg.view(torch.int16)
     return arg

@@ -1,7 +1,7 @@
 """Host cost of a launch: ``plan.run`` per layer, ``tree_attention`` and ``paged_decode``,
 against the GPU time of the work they queue; then where ``plan.run``'s host time goes: its
-checks, ``refresh``, and one call of its prepared launches (converted and checked once, per
-call only the q/k_pool/v_pool/out pointers), against the per-launch path it replaced
+checks, ``refresh``, and one call of the C++ plan's prepared launches (converted and checked
+once, per call only the q/k_pool/v_pool/out pointers), against the per-launch path
 (``plan.launches`` + ``runtime.run``), whose output it must equal.
 
 Tree: the seed's headline case (2048-token root, 256 leaves of 64 tokens, 32/8 heads,
@@ -30,7 +30,6 @@ import pstats
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -149,8 +148,8 @@ def overhead_table(setup: Setup, calls: int) -> list[dict]:
 # ---- where plan.run's host time goes ----------------------------------------------------------
 
 def old_path(setup: Setup):
-    """``plan.run``'s launch before prepared launches (kept for comparison): build the
-    Launch list, convert every argument in Python, one checked launcher call per kernel."""
+    """The per-launch path (for comparison): the plan's Launch records, every argument
+    converted in Python, one checked launcher call per kernel."""
     plan, q, out = setup.plan, setup.q, setup.out
     return lambda out=out: runtime.run(plan.launches(q, *setup.pools, out), q.device)
 
@@ -158,28 +157,19 @@ def old_path(setup: Setup):
 def plan_run_parts(setup: Setup) -> dict[str, object]:
     plan, q, out = setup.plan, setup.q, setup.out
     device = q.device
-    plan.run(q, 0, out)  # prepares the launches
-    prepared = plan._prepared
     stream = runtime.current_raw_stream(device.index)
     pointers = (q.data_ptr(), *(p.data_ptr() for p in setup.pools), out.data_ptr())
-    # The same launches with empty grids: the launcher drops them, so a run costs the
-    # binding and the pointer checks only; the rest of prepared.run is the driver's launches.
-    bare = runtime.prepare(lambda *holes: [replace(launch, grid=(0, 1, 1))
-                                           for launch in plan.launches(*holes)],
-                           tree_module.PER_CALL_POINTERS, device)
     alloc = setup.alloc
     return {
         "plan.run (whole)": lambda: plan.run(q, 0, out),
         "_quick_check (what run checks)": lambda: plan._quick_check(q, 0, out),
         "_validate (when it fails)": lambda: plan._validate(q, 0, out),
         "refresh (unchanged)": plan.refresh,
-        "_launch (pointers + prepared run)": lambda: plan._launch(q, 0, out),
         "  data pointers (q, pools, out)": lambda: (
             q.data_ptr(), alloc.k_pools[0].data_ptr(), alloc.v_pools[0].data_ptr(),
             out.data_ptr()),
         "  current_raw_stream": lambda: runtime.current_raw_stream(device.index),
-        "  prepared.run (pointers given)": lambda: prepared.run(pointers, stream),
-        "  prepared.run, grids empty (binding + checks)": lambda: bare.run(pointers, stream),
+        "  core run (pointers given)": lambda: plan._core.run(*pointers, stream),
         "old path: launches + runtime.run": old_path(setup),
     }
 
@@ -199,9 +189,9 @@ def paged_decode_parts(setup: Setup, split: bool) -> dict[str, object]:
     index = args[0].device.index
     return {
         "_validate": lambda: paged_validate(*args),
-        "decode_launches": lambda: decode_launches(*args, 0.1, runtime.arch_of(index),
-                                                   runtime.num_sms(index)),
-        "runtime.run": lambda: runtime.run(launches, args[0].device),
+        "decode_launches (Launch records)": lambda: decode_launches(
+            *args, 0.1, runtime.arch_of(index), runtime.num_sms(index)),
+        "runtime.run (per launch)": lambda: runtime.run(launches, args[0].device),
     }
 
 

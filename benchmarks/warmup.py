@@ -70,7 +70,7 @@ def child(mode: str) -> dict:
     steps.done("import")
     if mode == "aot":
         from flash_reasoning import runtime
-        runtime._launcher_for(torch.cuda.current_device())  # what the first launch loads
+        runtime.context(torch.cuda.current_device())  # what the first launch loads
         steps.done("launcher")
     alloc, leaves, q = seed_tree()
     steps.done("tree_build")
@@ -109,30 +109,19 @@ def aot_call(q, alloc, leaves):
 def jit_call(jit_functions: dict, q, alloc, leaves):
     """What ``tree_attention`` does on its first call (a plan, its launches), with each
     launch run by the ``@triton.jit`` function instead of the cubin: same spec (constexprs,
-    warps, stages), grid and arguments (aot/interpret.py maps them the same way)."""
+    warps, stages), grid and arguments, a pool read through TMA as a Triton tensor descriptor
+    (``aot.interpret.triton_args``, which the interpreter uses too)."""
     import torch
+
+    from aot.interpret import triton_args
     from flash_reasoning import TreeAttentionPlan
-    from flash_reasoning.specializations import FAMILIES
     plan = TreeAttentionPlan(alloc, leaves, q.shape[1])
     out = torch.empty_like(q)
     for launch in plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out):
-        signature = launch.spec.signature()
-        names = FAMILIES[launch.spec.family].param_names
-        args = [jit_arg(a, signature[n], q.device) for a, n in zip(launch.args, names)]
         jit_functions[launch.spec.family][launch.grid](
-            *args, num_warps=launch.spec.num_warps, num_stages=launch.spec.num_stages,
-            **dict(launch.spec.constexprs))
+            *triton_args(launch, q.device), num_warps=launch.spec.num_warps,
+            num_stages=launch.spec.num_stages, **dict(launch.spec.constexprs))
     return out
-
-
-def jit_arg(arg, typ: str, device):
-    import torch
-    if arg is None and typ.startswith("*"):  # a pointer this specialization never touches
-        return torch.empty(8, dtype=torch.int16 if typ == "*i16" else torch.float32,
-                           device=device)
-    if typ == "*i16":  # the append kernel copies fp16/bf16 data as 16-bit words
-        return arg.view(torch.int16)
-    return arg
 
 
 # ---- in the parent ----------------------------------------------------------------------------

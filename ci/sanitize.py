@@ -27,6 +27,7 @@ import torch
 from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference, runtime
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.tools.synthetic import random_kv
+from flash_reasoning.planner import PlanOptions
 
 BLOCK = 16
 DEVICE = "cuda"
@@ -171,13 +172,14 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
     q = queries(alloc, ids, group)
     refs = [reference.tree_attention(q, alloc, ids, layer) for layer in range(alloc.num_layers)]
     for chunk, merge, lane in itertools.product(chunks, merges, lanes):
-        plan = TreeAttentionPlan(alloc, ids, q.shape[1], target_chunk=chunk,
-                                 separate_merge=merge, final_lanes=lane, flat=flat)
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1],
+                                 _options=PlanOptions(target_chunk=chunk, separate_merge=merge,
+                                                      final_lanes=lane, flat=flat))
         check.tiles.update(plan.arrays.items)
-        check.runs.update((tile, runs) for tile, runs in plan.contiguous.items() if runs)
+        check.runs.update((tile, runs) for tile, runs in plan.slot_runs.items() if runs)
         check.orders.update(plan.arrays.heads_first.values())
         check.shared_plans += plan.arrays.has_common
-        check.tma_head_dims.update(spec.key["HEAD_DIM"] for spec, _, _ in plan._templates
+        check.tma_head_dims.update(spec.key["HEAD_DIM"] for spec in launch_specs(plan)
                                    if spec.key.get("TMA"))
         if plan.arrays.as_paged_decode:
             check.decode_plans += 1
@@ -236,3 +238,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def launch_specs(plan):
+    """The Spec of each of a plan's launches (its kernels by manifest name)."""
+    return [runtime.spec_of(plan.arch, name) for name in plan.kernels]

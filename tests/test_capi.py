@@ -21,6 +21,7 @@ import torch
 from conftest import gpu, poisoned_like
 from flash_reasoning import capi, reference, runtime
 from test_launcher import fake_libcuda, isolated  # noqa: F401 (fake_libcuda is a fixture)
+from flash_reasoning.planner import PlanOptions
 
 cffi = pytest.importorskip("cffi")
 
@@ -312,7 +313,8 @@ def test_planner_agrees_with_python(api, host_context, seed):
     problem = allocator_problem(alloc, ids, num_qo_heads)
     rc, msg, plan = api.plan(host_context, problem)
     assert rc == FR_OK, msg
-    python = TreeAttentionPlan(alloc, ids, num_qo_heads, num_sms=132)  # its tree: fork histories
+    python = TreeAttentionPlan(alloc, ids, num_qo_heads,
+                               _options=PlanOptions(num_sms=132))  # its tree: fork histories
     tree = alloc.segment_tree(ids)
     info = api.info(plan)
     assert (info["computed_nodes"] > 0) == (seed == 6)
@@ -602,7 +604,7 @@ def test_trees_take_the_final_kernels_they_are_meant_to():
                                                        (unshared_tree, False, 1, True, False),
                                                        (deep_tree, False, 8, False, True)):
         alloc, ids = make_tree(torch.float16, 128, device="cpu")
-        arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
+        arrays = TreeAttentionPlan(alloc, ids, 32, _options=PlanOptions(num_sms=132)).arrays
         assert (arrays.separate_merge, arrays.final_lanes, arrays.as_paged_decode, arrays.has_common) == \
             (separate, lanes, decode, common)
 
@@ -625,7 +627,7 @@ def test_plan_kernels_agree_with_python(api, host_context, make_tree, runs, bloc
     alloc, ids = make_tree(torch.float16, 128, device="cpu", block_size=block_size)
     rc, msg, plan = api.plan(host_context, allocator_problem(alloc, ids, 32))
     assert rc == FR_OK, msg
-    python = TreeAttentionPlan(alloc, ids, 32, num_sms=132, arch=ARCH)
+    python = TreeAttentionPlan(alloc, ids, 32, _options=PlanOptions(num_sms=132, arch=ARCH))
     q = torch.empty(len(ids), 32, 128, dtype=torch.float16)
     expected = [launch.spec.name for launch in python.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)]
     names = kernel_names(api, plan)
@@ -692,7 +694,7 @@ def test_wide_token_rows_order_the_packed_final_launch():
     for make_tree in (packed_tree, wide_packed_tree):
         for head_dim, heads_first in ((256, True), (128, False)):
             alloc, ids = make_tree(torch.float16, head_dim, device="cpu")
-            arrays = TreeAttentionPlan(alloc, ids, 32, num_sms=132).arrays
+            arrays = TreeAttentionPlan(alloc, ids, 32, _options=PlanOptions(num_sms=132)).arrays
             assert arrays.final_heads_first == heads_first, (make_tree.__name__, head_dim)
 
 

@@ -201,13 +201,13 @@ def test_growing_past_the_plans_tables_is_stale():
 @pytest.fixture
 def artifacts(tmp_path, monkeypatch):
     """A copy of this package's artifacts for the device's arch (sm90 without a GPU), which
-    the runtime uses for this test only: its launcher cache is cleared on both sides."""
+    the runtime uses for this test only: its contexts are forgotten on both sides."""
     arch = runtime.arch_of(0) if HAS_GPU else "sm90"
     shutil.copytree(runtime.artifact_root() / arch, tmp_path / arch)
     monkeypatch.setenv("FLASH_REASONING_ARTIFACTS", str(tmp_path))
-    runtime._launcher_for.cache_clear()
+    runtime.reset()
     yield tmp_path / arch
-    runtime._launcher_for.cache_clear()
+    runtime.reset()
 
 
 def set_package_version(arch_dir, version):
@@ -220,15 +220,14 @@ def set_package_version(arch_dir, version):
 
 
 @pytest.mark.parametrize("version", ["0.0.9", None])
-def test_a_manifest_of_another_version_is_refused(artifacts, monkeypatch, version):
-    monkeypatch.setattr(runtime, "arch_of", lambda device_index: artifacts.name)
-    assert runtime._launcher_for(0).arch == artifacts.name  # this version's: accepted
-    runtime._launcher_for.cache_clear()
+def test_a_manifest_of_another_version_is_refused(artifacts, version):
+    assert runtime.host_context(artifacts.name, 132).arch == artifacts.name  # accepted
+    runtime.reset()
     set_package_version(artifacts, version)
     with pytest.raises(RuntimeError) as info:
-        runtime._launcher_for(0)
+        runtime.host_context(artifacts.name, 132)
     message = str(info.value)
-    assert f"built for flash_reasoning {version}, this is flash_reasoning " \
+    assert f"was built by package version '{version or ''}', this library is " \
            f"{flash_reasoning.__version__}" in message and str(artifacts) in message
 
 

@@ -19,6 +19,7 @@ from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, interp
     poisoned_like
 from flash_reasoning import (PhysicalKVAllocator, PoolExhausted, StalePlan, TreeAttentionPlan,
                              reference)
+from flash_reasoning.planner import PlanOptions
 
 
 @dataclass(frozen=True)
@@ -238,8 +239,8 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
     alloc = draw_allocator(data, limits, device)
     history = History(data, alloc, limits, tally)
     group = data.draw(st.integers(1, limits.max_group))
-    plan_kw = dict(num_qo_heads=alloc.num_kv_heads * group,
-                   target_chunk=data.draw(st.sampled_from(limits.target_chunks)),
+    num_qo_heads = alloc.num_kv_heads * group
+    plan_kw = dict(target_chunk=data.draw(st.sampled_from(limits.target_chunks)),
                    separate_merge=data.draw(st.sampled_from([None, False, True])),
                    flat=data.draw(st.sampled_from([None, False, True])),
                    final_lanes=data.draw(st.sampled_from([None, 1, max(1, 16 // group),
@@ -248,7 +249,8 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
                    **(dict(arch="sm90", num_sms=4) if interpreted else {}))
 
     history.run(data.draw(st.integers(*limits.ops)))
-    held = TreeAttentionPlan(alloc, history.model.live(), **plan_kw)
+    held = TreeAttentionPlan(alloc, history.model.live(), num_qo_heads,
+                             _options=PlanOptions(**plan_kw))
     growth_only = data.draw(st.booleans())
     history.run(data.draw(st.integers(*limits.ops)),
                 History.GROWTH if growth_only else History.ANY)
@@ -260,7 +262,8 @@ def fuzz_one(data, limits: Limits, device: str, interpreted: bool, tally: Tally)
         tally.stale += 1
 
     ids = data.draw(st.permutations(history.model.live()))
-    check(TreeAttentionPlan(alloc, ids, **plan_kw), history.model, history)
+    check(TreeAttentionPlan(alloc, ids, num_qo_heads, _options=PlanOptions(**plan_kw)),
+          history.model, history)
     report = alloc.memory_report()
     assert report.blocks_used + report.blocks_free == report.blocks_total
     assert report.tokens_logical == sum(map(history.model.length, history.model.live()))

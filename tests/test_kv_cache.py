@@ -34,7 +34,7 @@ def test_append_kernel_interpreted(dtype):
     slots = torch.tensor([5, 0, 23, 12], dtype=torch.int64)
     k, v = _new_rows(len(slots), dtype)
     k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
-    run_interpreted([kv_cache.append_launch(k_pool, v_pool, slots, k, v)])
+    run_interpreted(kv_cache.append_launches(k_pool, v_pool, slots, k, v, "sm90"))
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
 
 
@@ -46,7 +46,7 @@ def test_append_kernel_interpreted_rows_wider_than_a_program():
     slots = torch.tensor([3, 1], dtype=torch.int64)
     k, v = _new_rows(2, torch.float16, heads=8, dim=256)
     k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
-    run_interpreted([kv_cache.append_launch(k_pool, v_pool, slots, k, v)])
+    run_interpreted(kv_cache.append_launches(k_pool, v_pool, slots, k, v, "sm90"))
     assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
 
 

@@ -11,13 +11,16 @@ from flash_reasoning import TreeAttentionPlan, dispatch, log, tuning_table
 from flash_reasoning.tools.bench import case_allocator, seed_case
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.tools.synthetic import paged_problem
+from flash_reasoning import runtime
+from flash_reasoning.planner import PlanOptions
 
 
 def seed_plan(batch=16, prefix=256, leaf=64):
     """A root shared by ``batch`` leaves on CPU, planned for the H100 (as the interpreter
     tests do): a wide-tile partial for the root, the final kernel for the leaves."""
     alloc, leaves = case_allocator(seed_case(batch, prefix, leaf), device="cpu")
-    return TreeAttentionPlan(alloc, leaves, 32, num_sms=132, arch="sm90", flat=False)
+    return TreeAttentionPlan(alloc, leaves, 32,
+                             _options=PlanOptions(num_sms=132, arch="sm90", flat=False))
 
 
 def messages(caplog, kernel):
@@ -43,19 +46,19 @@ def test_plan_logs_each_kernel_config_and_why(caplog):
     assert messages(caplog, "tree_final") == [expected_record("tree_final", "float16", 64,
                                                               programs)]
     config = dispatch.config_for("tree_final", "float16", 128, "sm90", 64, None, programs, 132)
-    assert plan._templates[-1][0] == dispatch.tree_final_spec("float16", 128, "sm90", config,
+    assert launch_specs(plan)[-1] == dispatch.tree_final_spec("float16", 128, "sm90", config,
                                                              page_size=16)
     partial = messages(caplog, "tree_partial")
-    assert len(partial) == len(plan._templates) - 1
+    assert len(partial) == len(plan.kernels) - 1
     assert "block_m=64" in partial[0]
 
 
 def test_the_reason_names_the_rule_and_its_source(caplog, monkeypatch, tmp_path):
     path = tmp_path / "sm90.json"
-    tuning_table.write(path, "sm90", {"tree_final/float16/128": (
-        (1, 12, (16, 2, 1)), (1, None, (64, 4, 2)), (None, None, (128, 4, 2)))}, {})
+    tuning_table.write(path, "sm90", {"tree_final/float16/128": (  # configs the build compiles
+        (1, 12, (16, 2, 1)), (1, None, (64, 4, 3)), (None, None, (32, 4, 2)))}, {})
     monkeypatch.setenv(tuning_table.ENV_VAR, str(path))
-    dispatch.reset()
+    runtime.reset()
     try:
         caplog.set_level(logging.DEBUG, logger="flash_reasoning")
         seed_plan(batch=4, prefix=32, leaf=8)  # 4 x 8 programs
@@ -64,11 +67,11 @@ def test_the_reason_names_the_rule_and_its_source(caplog, monkeypatch, tmp_path)
             f"({tuning_table.ENV_VAR}={path}: programs <= 1 per SM, range <= 12 tokens)")
         seed_plan(batch=32, prefix=32, leaf=8)  # 256 programs: more than one per SM
         assert messages(caplog, "tree_final")[-1].endswith(
-            f"BLOCK_N 128, 4 warps, 2 stages ({tuning_table.ENV_VAR}={path}: programs > 1 "
+            f"BLOCK_N 32, 4 warps, 2 stages ({tuning_table.ENV_VAR}={path}: programs > 1 "
             "per SM)")
     finally:
         monkeypatch.delenv(tuning_table.ENV_VAR)
-        dispatch.reset()
+        runtime.reset()
 
 
 @pytest.mark.parametrize("num_splits, reason", [(None, "split toward 2 programs per SM"),
@@ -131,9 +134,10 @@ def test_unknown_level_warns_instead_of_failing():
 def test_env_var_sends_records_to_stderr():
     code = textwrap.dedent("""
         from flash_reasoning import TreeAttentionPlan
+        from flash_reasoning.planner import PlanOptions
         from flash_reasoning.tools.bench import case_allocator, seed_case
         alloc, leaves = case_allocator(seed_case(4, 64, 16), device="cpu")
-        TreeAttentionPlan(alloc, leaves, 32, num_sms=132, arch="sm90")
+        TreeAttentionPlan(alloc, leaves, 32, _options=PlanOptions(num_sms=132, arch="sm90"))
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "FLASH_REASONING_LOG": "debug"})
@@ -141,3 +145,8 @@ def test_env_var_sends_records_to_stderr():
     # Four unshared branches of 80 tokens: no partials, the plan is a paged decode.
     assert "flash_reasoning DEBUG: paged_decode (sm90): float16, head_dim=128, max_tokens=80" \
         in result.stderr
+
+
+def launch_specs(plan):
+    """The Spec of each of a plan's launches (its kernels by manifest name)."""
+    return [runtime.spec_of(plan.arch, name) for name in plan.kernels]

@@ -13,6 +13,7 @@ from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, paged_decod
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.tools.synthetic import paged_problem, random_kv
 from flash_reasoning.tools.trees import build_branches, from_levels
+from flash_reasoning.planner import PlanOptions
 
 DTYPES = [torch.float16, torch.bfloat16]
 #: (center, spread) of the logits: every key's logit is center + spread * N(0, 1) (+ N(0, 1)).
@@ -101,7 +102,7 @@ def check_tree(logits: LargeLogits, interpreted: bool) -> None:
     alloc, leaves = tree(logits)
     q = logits.queries(len(leaves))
     kw = dict(num_sms=4, arch="sm90") if interpreted else {}
-    plan = TreeAttentionPlan(alloc, leaves, QO_HEADS, target_chunk=64, **kw)
+    plan = TreeAttentionPlan(alloc, leaves, QO_HEADS, _options=PlanOptions(target_chunk=64, **kw))
     assert plan.arrays.num_entries > 0
     out = poisoned_like(q)
     if interpreted:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flash_reasoning import PhysicalKVAllocator, dispatch, planner
+from flash_reasoning import PhysicalKVAllocator, _core, dispatch, planner
 from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.tools.synthetic import random_branches
@@ -16,7 +16,7 @@ H100 = dict(num_sms=132, dtype_bytes=2)
 def plan_for(alloc, ids, num_qo_heads, **kw):
     tree = alloc.segment_tree(ids)
     shape = planner.Shape(num_qo_heads, alloc.num_kv_heads, alloc.head_dim, **H100)
-    return tree, planner.plan(tree, shape, **kw)
+    return tree, planner.plan(tree, shape, planner.PlanOptions(**kw))
 
 
 def coverage(tree, arrays):
@@ -240,8 +240,8 @@ def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_hea
     for forced in (1, most):
         assert plan_for(alloc, ids, heads, flat=False, final_lanes=forced)[1].final_lanes in (
             forced, 1)  # 1: a plan that merges separately has no final kernel
-    for bad in (0, most + 1, 2.0):
-        with pytest.raises(ValueError, match="final_lanes"):
+    for bad, error in ((0, ValueError), (most + 1, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match="final_lanes"):
             plan_for(alloc, ids, heads, final_lanes=bad)
 
 
@@ -625,7 +625,8 @@ def test_partials_past_int32_indexing_are_a_value_error():
     ids = [alloc.alloc_branch(65, parent_branch_id=root, fork_position=64).branch_id
            for _ in range(2)]
     tree = alloc.segment_tree(ids)
-    assert planner.plan(tree, planner.Shape(2**29, 2**29, 8, 2, 132), flat=False).num_entries == 2
+    assert planner.plan(tree, planner.Shape(2**29, 2**29, 8, 2, 132),
+                                            planner.PlanOptions(flat=False)).num_entries == 2
     with pytest.raises(ValueError, match="the plan needs 2 partials of 1073741824 heads"):
         planner.plan(tree, planner.Shape(2**30, 2**30, 8, 2, 132))
 
@@ -655,25 +656,20 @@ def item(table_row, kv_start, kv_end, open_end=0):
     ([], 1, None),
 ])
 def test_item_runs_need_closed_shared_ranges_broken_once_at_most(records, runs, splits):
-    """``planner.item_runs`` (the core's ``item_runs``, which the C ABI uses too): rows read
-    the allocator's mirror in place through their row index; where two runs, each item's
-    run_split is written where the work buffer holds it, else no record changes."""
+    """The core's ``item_runs`` (which every plan runs): rows read the allocator's mirror in
+    place through their row index; where two runs, each item's run_split is written in its
+    record, else no record changes."""
     mirror = np.array([[0] * 6, [40, 7, 0, 0, 0, 0], [10, 11, 12, 13, 14, 0],
                        [3, 4, 9, 5, 6, 0]], np.int64)
     rows = np.array([2, 1, 3])  # branch 0's table is mirror row 2
-    work = np.array(records, np.int32).reshape(-1)
-    arrays = planner.PlanArrays(
-        *[None] * 8, items={64: work.reshape(-1, len(TREE_ITEM_FIELDS))},
-        final_start=np.array([32, 16, 40], np.int32), merge_ptr=None, entry_slot=None,
-        common=np.zeros((0, 3), np.int32), num_entries=0, work=work, work_offsets=None,
-        separate_merge=False, final_lanes=1, final_block_m=16, heads_first={64: False},
-        final_heads_first=False, early_final=False, as_paged_decode=False)
-    assert planner.item_runs(arrays, mirror, rows, 8) == {64: runs}
+    work = np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))
+    final_start = np.array([32, 16, 40], np.int32)
+    assert _core.item_runs(work, final_start, mirror, rows, 8) == runs
     split = TREE_ITEM_FIELDS.index("run_split")
     written = np.array(records, np.int32).reshape(-1, len(TREE_ITEM_FIELDS))
     if splits is not None:
         written[:, split] = splits
-    assert np.array_equal(work.reshape(written.shape), written)
+    assert np.array_equal(work, written)
 
 
 def test_item_runs_reject_bad_tables_and_records_it_cannot_write():

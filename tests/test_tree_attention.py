@@ -11,12 +11,13 @@ from flash_reasoning import (PhysicalKVAllocator, StalePlan, TreeAttentionPlan, 
 from flash_reasoning import _core, runtime
 from flash_reasoning._core import CoreError
 from flash_reasoning.tools.bench import case_allocator, load_cases
-from flash_reasoning.ops.tree_attention import PER_CALL_POINTERS
+
 from flash_reasoning.runtime import TensorMap
 from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
 from flash_reasoning.tools.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
                                        random_kv)
 from flash_reasoning.tools.trees import build_branches, from_levels
+from flash_reasoning.planner import PlanOptions
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -42,9 +43,10 @@ def check(out, q, alloc, ids, layer=0, sm_scale=None):
     assert err < reference.TOLERANCE[q.dtype], f"relative error {err}"
 
 
-def interpret(alloc, ids, q, **plan_kw):
+def interpret(alloc, ids, q, sm_scale=None, **plan_kw):
     from aot.interpret import run_interpreted
-    plan = TreeAttentionPlan(alloc, ids, q.shape[1], num_sms=4, arch="sm90", **plan_kw)
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], sm_scale,
+                             _options=PlanOptions(num_sms=4, arch="sm90", **plan_kw))
     out = poisoned_like(q)
     run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
     return plan, out
@@ -163,11 +165,11 @@ def test_contiguous_partials_interpreted(scattered, separate):
     q = queries(alloc, ids, 8)
     plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False, separate_merge=separate)
     check(out, q, alloc, ids)
-    partial = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
+    partial = [spec.key for spec in launch_specs(plan) if spec.family == "tree_partial"]
     assert len(partial) == 1  # the root's chunks (and the final ranges' when separate)
     assert partial[0]["SLOT_RUNS"] == (not scattered and not separate)
     assert partial[0]["PAGE"] == 0  # 8-token pages are not compiled as a constant
-    assert plan.contiguous == {next(iter(plan.arrays.items)): partial[0]["SLOT_RUNS"]}
+    assert plan.slot_runs == {next(iter(plan.arrays.items)): partial[0]["SLOT_RUNS"]}
 
 
 @interpreter
@@ -183,7 +185,7 @@ def test_contiguous_partials_whole_tiles_and_tails_interpreted(root_tokens, leng
     q = queries(alloc, ids, num_qo_heads)
     plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
     check(out, q, alloc, ids)
-    (partial,) = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
+    (partial,) = [spec.key for spec in launch_specs(plan) if spec.family == "tree_partial"]
     assert (partial["SLOT_RUNS"], partial["BLOCK_M"], partial["BLOCK_N"]) == (1, block_m, block_n)
     (records,) = plan.arrays.items.values()
     start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")
@@ -204,15 +206,17 @@ def test_two_run_partials_interpreted(piece_blocks, root_tokens, splits, num_qo_
     q = queries(alloc, ids, num_qo_heads)
     plan, out = interpret(alloc, ids, q, target_chunk=64, flat=False)
     check(out, q, alloc, ids)
-    (partial,) = [spec.key for spec, _, _ in plan._templates if spec.family == "tree_partial"]
+    (partial,) = [spec.key for spec in launch_specs(plan) if spec.family == "tree_partial"]
     assert (partial["SLOT_RUNS"], partial["BLOCK_M"]) == (2, block_m)
-    assert plan.contiguous == {block_m: 2}
+    assert plan.slot_runs == {block_m: 2}
     (records,) = plan.arrays.items.values()
     split = TREE_ITEM_FIELDS.index("run_split")
     assert sorted(set(records[:, split].tolist())) == splits
     # The kernels read the splits from the uploaded records.
-    uploaded = plan._items[0].view(-1, len(TREE_ITEM_FIELDS))
-    assert torch.equal(uploaded.cpu(), torch.from_numpy(records))
+    launch = next(launch for launch in plan.launches(q, None, None, None)
+                  if launch.spec.family == "tree_partial")
+    uploaded = launch.args[TREE_PARTIAL.param_names.index("items")][:records.size]
+    assert torch.equal(uploaded.view(-1, len(TREE_ITEM_FIELDS)), torch.from_numpy(records))
 
 
 def poison_unread_slots(alloc, ids):
@@ -307,8 +311,10 @@ def test_contiguous_partials_survive_copy_on_write_interpreted(free_root):
     if free_root:
         alloc.free_branch(ids[0] - 2)  # shared_root's root: two ids before the first leaf
     q = queries(alloc, ids, 8)
-    plan = TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", target_chunk=64, flat=False)
-    assert plan.contiguous == {block_m: 1 for block_m in plan.arrays.items}
+    plan = TreeAttentionPlan(alloc, ids, 8,
+                             _options=PlanOptions(num_sms=4, arch="sm90", target_chunk=64,
+                                                  flat=False))
+    assert plan.slot_runs == {block_m: 1 for block_m in plan.arrays.items}
     before, _ = alloc.block_tables(ids)
     step = alloc.reserve(ids)
     alloc.append(step, 0, *random_kv(alloc, torch.Generator().manual_seed(9), len(ids)))
@@ -322,14 +328,20 @@ def test_contiguous_partials_survive_copy_on_write_interpreted(free_root):
     check(out, q, alloc, ids)
 
 
-def test_contiguous_cannot_be_forced():
+def test_slot_runs_can_be_turned_off():
+    """``slot_runs=False`` keeps every partial launch on the page kernels; ``True`` is the
+    default (slot runs where the pages allow)."""
     alloc, ids = shared_root("cpu")
-    with pytest.raises(ValueError, match="consecutive pages"):
-        TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", contiguous=True)
-    plan = TreeAttentionPlan(alloc, ids, 8, num_sms=4, arch="sm90", flat=False,
-                             contiguous=False)
-    assert plan.contiguous == {} and all(
-        spec.key["SLOT_RUNS"] == 0 for spec, _, _ in plan._templates
+    default = TreeAttentionPlan(alloc, ids, 8, _options=PlanOptions(num_sms=4, arch="sm90",
+                                                                    flat=False))
+    forced = TreeAttentionPlan(alloc, ids, 8, _options=PlanOptions(num_sms=4, arch="sm90",
+                                                                   flat=False, slot_runs=True))
+    assert forced.kernels == default.kernels and set(default.slot_runs.values()) == {1}
+    plan = TreeAttentionPlan(alloc, ids, 8,
+                             _options=PlanOptions(num_sms=4, arch="sm90", flat=False,
+                                                  slot_runs=False))
+    assert set(plan.slot_runs.values()) == {0} and all(
+        spec.key["SLOT_RUNS"] == 0 for spec in launch_specs(plan)
         if spec.family == "tree_partial")
 
 
@@ -359,8 +371,9 @@ def test_separate_merge_follows_growth_interpreted():
     matches the reference."""
     from aot.interpret import run_interpreted
     alloc, ids = forest("cpu", tokens=120, seed=5)
-    plan = TreeAttentionPlan(alloc, ids, 4, num_sms=4, arch="sm90", target_chunk=64,
-                             separate_merge=True)
+    plan = TreeAttentionPlan(alloc, ids, 4,
+                             _options=PlanOptions(num_sms=4, arch="sm90", target_chunk=64,
+                                                  separate_merge=True))
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):
         step = alloc.reserve(ids[1:])
@@ -383,8 +396,9 @@ def test_packed_final_interpreted(dtype, heads, lanes):
     program with lanes but no branch."""
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, branches=13, tokens=60,
                         seed=lanes)
-    plan = TreeAttentionPlan(alloc, ids, heads[0], num_sms=4, arch="sm90",
-                             separate_merge=False, final_lanes=lanes)
+    plan = TreeAttentionPlan(alloc, ids, heads[0],
+                             _options=PlanOptions(num_sms=4, arch="sm90", separate_merge=False,
+                                                  final_lanes=lanes))
     assert plan.arrays.final_lanes == lanes and packed_final(plan, heads, lanes)["PACKED"] == 1
     check_packed_over_decode_steps(plan, alloc, ids, heads[0], seed=lanes)
 
@@ -392,7 +406,7 @@ def test_packed_final_interpreted(dtype, heads, lanes):
 def packed_final(plan, heads, lanes) -> dict:
     """The plan's final launch's specialization keys, checked to hold its lanes' rows in the
     narrow final tile or, past it, the wide one."""
-    final = plan._templates[-1][0].key
+    final = launch_specs(plan)[-1].key
     assert final["BLOCK_M"] == (16 if lanes * heads[0] // heads[1] <= 16 else 32)
     return final
 
@@ -425,8 +439,9 @@ def test_shared_ranges_interpreted(dtype, heads, lanes, block_size):
     case = level_case("deep", (1, 2, 4, 13), (19, 16, 24, 9), num_qo_heads=heads[0],
                       num_kv_heads=heads[1], head_dim=64, dtype=str(dtype).split(".")[-1])
     alloc, ids = case_allocator(case, device="cpu", block_size=block_size)
-    plan = TreeAttentionPlan(alloc, ids, heads[0], num_sms=4, arch="sm90", flat=True,
-                             final_lanes=lanes)
+    plan = TreeAttentionPlan(alloc, ids, heads[0],
+                             _options=PlanOptions(num_sms=4, arch="sm90", flat=True,
+                                                  final_lanes=lanes))
     final = packed_final(plan, heads, lanes)
     assert plan.arrays.has_common and (final["PACKED"], final["COMMON"]) == (1, 1)
     assert final["PAGE"] == (16 if block_size == 16 else 0)
@@ -446,7 +461,7 @@ def test_compiled_page_size_interpreted(block_size, page, separate, lanes):
     q = queries(alloc, ids, 8)
     extra = {} if separate else {"final_lanes": lanes}
     plan, out = interpret(alloc, ids, q, target_chunk=64, separate_merge=separate, **extra)
-    attention = [spec for spec, _, _ in plan._templates if spec.family != "tree_merge"]
+    attention = [spec for spec in launch_specs(plan) if spec.family != "tree_merge"]
     paged = [spec for spec in attention if not spec.key.get("SLOT_RUNS")]
     assert paged and all(spec.key["PAGE"] == page for spec in paged)
     assert all(spec.key["PAGE"] == 0 for spec in attention if spec.key.get("SLOT_RUNS"))
@@ -524,15 +539,16 @@ def test_torch_path_random_trees(branches, depth, tokens, group, dtype, chunk, m
                         depth=depth, tokens=tokens, seed=seed, block_size=4,
                         roots=1 + seed % 3)
     q = queries(alloc, ids, group, seed)
-    plan = TreeAttentionPlan(alloc, ids, group, target_chunk=chunk, separate_merge=merge,
-                             flat=flat, one_tile=one_tile)
+    plan = TreeAttentionPlan(alloc, ids, group,
+                             _options=PlanOptions(target_chunk=chunk, separate_merge=merge,
+                                                  flat=flat, one_tile=one_tile))
     check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
 @pytest.mark.parametrize("separate", [False, True])
 def test_plan_follows_decode_steps_and_rejects_a_changed_tree(separate):
     alloc, ids = forest("cpu", layers=2, seed=3)
-    plan = TreeAttentionPlan(alloc, ids, 4, separate_merge=separate)
+    plan = TreeAttentionPlan(alloc, ids, 4, _options=PlanOptions(separate_merge=separate))
     gen = torch.Generator().manual_seed(9)
     for _ in range(3):                     # steps only grow the branches: the plan holds
         step = alloc.reserve(ids)
@@ -595,26 +611,25 @@ def test_bad_input_is_rejected_without_state_change(bad, error, match):
 @pytest.mark.parametrize("chunk, separate, last", [(None, False, "tree_final"),
                                                    (8, False, "tree_final"),
                                                    (8, True, "tree_merge")])
-def test_plan_launches_prepare_against_the_manifest(monkeypatch, chunk, separate, last):
-    """On CPU, with the sm90 manifest: the plan's launches, placeholders for the per-call
-    pointers, pass every launcher check (argument count and types, the plan's buffers
-    aligned, each placeholder on a pointer parameter); a bad pointer is refused by name
-    before the driver is reached."""
+def test_plan_launches_bind_against_the_manifest(chunk, separate, last):
+    """On CPU, with the sm90 manifest: the plan's launches bound to a workspace pass every
+    launcher check (argument names, count and types, the workspace's regions aligned, each
+    per-call pointer on a pointer parameter); a bad pointer is refused by name before the
+    driver is reached."""
     if "sm90" not in runtime.available_archs():  # a GPU machine builds its own arch only
         pytest.skip("the sm90 artifacts are not built here")
     alloc, ids = forest("cpu", num_kv_heads=8, head_dim=128, tokens=200)
-    plan = TreeAttentionPlan(alloc, ids, 32, num_sms=4, arch="sm90", target_chunk=chunk,
-                             separate_merge=separate, flat=False)
-    launcher = _core.Launcher(runtime.artifact_root() / "sm90", 0)
-    monkeypatch.setattr(runtime, "_launcher_for", lambda device_index: launcher)
-    prepared = runtime.prepare(plan.launches, PER_CALL_POINTERS, alloc.device)
-    assert prepared.holes == list(PER_CALL_POINTERS)
-    assert prepared.num_launches == len(plan._templates) >= 2
-    with pytest.raises(CoreError, match=rf"pointer 3 \('out', passed as argument 'out' of "
-                                            rf"kernel '{last}_.*0x48, not 16-byte aligned"):
-        prepared.run((16, 32, 48, 72), 0)
-    with pytest.raises(CoreError, match=r"pointer 1 \('k_pool', .* is null"):
-        prepared.run((16, 0, 48, 64), 0)
+    plan = TreeAttentionPlan(alloc, ids, 32,
+                             _options=PlanOptions(num_sms=4, arch="sm90", target_chunk=chunk,
+                                                  separate_merge=separate, flat=False))
+    assert len(plan.kernels) >= 2 and plan.kernels[-1].startswith(last)
+    plan._core.bind(1 << 20)
+    with pytest.raises(CoreError, match=r"out must be a non-NULL, 16-byte aligned"):
+        plan._core.run(16, 32, 48, 72, 0)
+    with pytest.raises(CoreError, match=r"k_pool must be a non-NULL"):
+        plan._core.run(16, 0, 48, 64, 0)
+    with pytest.raises(CoreError, match="workspace must be a non-NULL, 16-byte aligned"):
+        plan._core.bind(8)
 
 
 def test_non_finite_scale_is_rejected():
@@ -643,8 +658,9 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
             (None, False, None, None), (None, True, None, None), (False, None, most_lanes, None),
             (False, None, seed % most_lanes + 1, None), (False, None, 2 * most_lanes, None),
             (True, False, None, True)):
-        plan = TreeAttentionPlan(alloc, ids, q.shape[1], separate_merge=separate, flat=flat,
-                                 final_lanes=lanes, one_tile=one_tile)
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1],
+                                 _options=PlanOptions(separate_merge=separate, flat=flat,
+                                                      final_lanes=lanes, one_tile=one_tile))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
 
 
@@ -687,7 +703,7 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
     alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=64, tokens=200,
                         block_size=16, layers=2)
     q = queries(alloc, ids, 32)
-    plan = TreeAttentionPlan(alloc, ids, 32, target_chunk=64, flat=False)
+    plan = TreeAttentionPlan(alloc, ids, 32, _options=PlanOptions(target_chunk=64, flat=False))
     for layer in range(alloc.num_layers):
         pools = alloc.k_pools[layer], alloc.v_pools[layer]
         per_launch = poisoned_like(q)
@@ -696,11 +712,11 @@ def test_gpu_prepared_run_equals_the_per_launch_path():
         torch.cuda.synchronize()
         assert torch.equal(prepared, per_launch), f"layer {layer}"
         check(prepared, q, alloc, ids, layer)
-    assert plan._prepared.num_launches == len(plan._templates) >= 2
+    assert len(plan.kernels) >= 2
     out = poisoned_like(q)
     pointers = (q.data_ptr(), *(p.data_ptr() for p in pools), out.data_ptr() + 2)
-    with pytest.raises(CoreError, match=r"pointer 3 \('out'.*not 16-byte aligned"):
-        plan._prepared.run(pointers, runtime.current_raw_stream(q.device.index))
+    with pytest.raises(CoreError, match=r"out must be a non-NULL, 16-byte aligned"):
+        plan._core.run(*pointers, runtime.current_raw_stream(q.device.index))
     torch.cuda.synchronize()
     assert out.isnan().all()
 
@@ -717,8 +733,9 @@ def test_gpu_last_launch_waits_for_the_partials(name, separate, early):
     poisoned before every run never reach the output."""
     alloc, leaves = case_allocator(next(c for c in load_cases()["cases"] if c["name"] == name))
     q = queries(alloc, leaves, 32)
-    plan = TreeAttentionPlan(alloc, leaves, 32, separate_merge=separate, flat=False,
-                             early_final=early, host_nodes=False)
+    plan = TreeAttentionPlan(alloc, leaves, 32,
+                             _options=PlanOptions(separate_merge=separate, flat=False,
+                                                  early_final=early, host_nodes=False))
     last = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)[-1].spec
     assert last.family == ("tree_merge" if separate else "tree_final")
     assert last.overlaps_previous == (plan.arch == "sm90")
@@ -733,8 +750,9 @@ def long_narrow_plan(device, **plan_kw):
     the one described: one narrow item, then four wide ones, then the final launch."""
     alloc, leaves = long_narrow_node(device)
     q = queries(alloc, leaves, 32)
-    plan = TreeAttentionPlan(alloc, leaves, 32, target_chunk=LONG_NODE_TOKENS, flat=False,
-                             **plan_kw)
+    plan = TreeAttentionPlan(alloc, leaves, 32,
+                             _options=PlanOptions(target_chunk=LONG_NODE_TOKENS, flat=False,
+                                                  **plan_kw))
     launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], q)
     assert [(x.spec.family, dict(x.spec.constexprs).get("BLOCK_M")) for x in launches] == [
         ("tree_partial", 16), ("tree_partial", 64), ("tree_final", 16)]
@@ -768,8 +786,8 @@ def test_gpu_contiguous_partials_before_and_after_copy_on_write(scattered):
     """A 2003-token root read as one run of slots (or, its pages scattered, paged) matches the
     reference, and still does after a decode step copies its last block into every leaf."""
     alloc, ids = shared_root("cuda", scattered, root_tokens=2003, leaf_tokens=0)
-    plan = TreeAttentionPlan(alloc, ids, 8, flat=False)
-    assert plan.contiguous == {block_m: int(not scattered) for block_m in plan.arrays.items}
+    plan = TreeAttentionPlan(alloc, ids, 8, _options=PlanOptions(flat=False))
+    assert plan.slot_runs == {block_m: int(not scattered) for block_m in plan.arrays.items}
     gen = torch.Generator().manual_seed(3)
     for step in range(2):
         q = queries(alloc, ids, 8, seed=step)
@@ -784,7 +802,7 @@ def test_gpu_decode_plan_follows_growth():
     right on the tree, and after every branch grew (it reads the lengths on the device)."""
     alloc, ids = forest("cuda", num_kv_heads=8, head_dim=128, branches=300, tokens=100,
                         block_size=16)
-    plan = TreeAttentionPlan(alloc, ids, 32, flat=True)
+    plan = TreeAttentionPlan(alloc, ids, 32, _options=PlanOptions(flat=True))
     assert plan.arrays.as_paged_decode
     gen = torch.Generator().manual_seed(3)
     for step in range(3):
@@ -806,3 +824,8 @@ def test_gpu_matches_paged_decode_without_sharing():
     out = tree_attention(q, alloc, ids)
     check(out, q, alloc, ids)
     assert torch.equal(out[6], torch.zeros_like(out[6]))
+
+
+def launch_specs(plan):
+    """The Spec of each of a plan's launches (its kernels by manifest name)."""
+    return [runtime.spec_of(plan.arch, name) for name in plan.kernels]

@@ -15,6 +15,7 @@ from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, UnknownBran
                              kv_cache, paged_decode, reference, tree_attention)
 from flash_reasoning.allocator import MAX_TOKENS, DecodeStep
 from flash_reasoning.tools.synthetic import PagedProblem, paged_problem, random_branches, random_kv
+from flash_reasoning.planner import PlanOptions
 
 KV_HEADS, QO_HEADS, HEAD_DIM, LAYERS = 2, 4, 64, 2
 
@@ -289,9 +290,12 @@ def test_qo_heads_must_be_a_multiple_of_kv_heads(world, call, error, fragments):
     ("paged_decode head_dim", lambda w: paged_decode(*_head_dim_32_problem()), ValueError,
      ["q has head_dim 32, which is not compiled; compiled: (64, 128, 256)"]),
     ("plan head_dim", lambda w: TreeAttentionPlan(*other_allocator(head_dim=32), 2,
-                                                  arch="sm90"), ValueError,
+                                                                   _options=PlanOptions(
+                                                                                        arch="sm90")),
+                                                                                        ValueError,
      ["allocator has head_dim 32, which is not compiled"]),
-    ("plan dtype", lambda w: TreeAttentionPlan(*other_allocator(torch.float32), 2, arch="sm90"),
+    ("plan dtype", lambda w: TreeAttentionPlan(*other_allocator(torch.float32), 2,
+                                                                _options=PlanOptions(arch="sm90")),
      TypeError, ["allocator has dtype float32, which is not compiled"]),
     ("cuda allocator dtype", lambda w: PhysicalKVAllocator(4, 4, 1, 64, dtype=torch.float32,
                                                            device="cuda"),
@@ -365,9 +369,11 @@ def test_sm_scale_must_be_a_finite_real(world, entry, scale, error, given):
 
 
 @pytest.mark.parametrize("call, error, fragments", cases(
-    ("plan target_chunk", lambda w: TreeAttentionPlan(w.alloc, w.ids, 4, target_chunk=0),
+    ("plan target_chunk", lambda w: TreeAttentionPlan(w.alloc, w.ids, 4,
+                                                      _options=PlanOptions(target_chunk=0)),
      ValueError, ["target_chunk must be >= 1, got 0"]),
-    ("plan num_sms", lambda w: TreeAttentionPlan(w.alloc, w.ids, 4, num_sms=2.5), TypeError,
+    ("plan num_sms", lambda w: TreeAttentionPlan(w.alloc, w.ids, 4,
+                                                 _options=PlanOptions(num_sms=2.5)), TypeError,
      ["num_sms must be an int, got float 2.5"]),
     ("alloc num_tokens", lambda w: w.alloc.alloc_branch(MAX_TOKENS + 1), ValueError,
      [f"num_tokens must be <= {MAX_TOKENS}, got {MAX_TOKENS + 1}"]),

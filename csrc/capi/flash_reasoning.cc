@@ -2,6 +2,7 @@
 // Only the fr* functions leave the library (-fvisibility=hidden and a version script).
 #include "flash_reasoning/flash_reasoning.h"
 
+#include <cmath>
 #include <memory>
 #include <new>
 #include <string>
@@ -48,6 +49,8 @@ frStatus guarded(Body body) {
 
 fr::CUstream stream_of(void* stream) { return static_cast<fr::CUstream>(stream); }
 
+uint64_t address(const void* pointer) { return reinterpret_cast<uint64_t>(pointer); }
+
 frStatus to_shape(const frAttentionShape* in, fr::AttentionShape* out) {
   if (!in) return invalid("shape must not be NULL");
   out->num_qo_heads = in->num_qo_heads;
@@ -57,7 +60,11 @@ frStatus to_shape(const frAttentionShape* in, fr::AttentionShape* out) {
                                                                               : "frDtype " + std::to_string(in->dtype);
   out->block_size = in->block_size;
   out->num_blocks = in->num_blocks;
-  out->sm_scale = in->sm_scale;
+  // The C ABI's 0 is the default scale; the core takes the scale itself.
+  if (!std::isfinite(in->sm_scale) || in->sm_scale < 0)
+    return invalid("shape.sm_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got " +
+                   std::to_string(in->sm_scale));
+  out->sm_scale = in->sm_scale != 0 || in->head_dim < 1 ? in->sm_scale : 1.0 / std::sqrt(double(in->head_dim));
   return FR_OK;
 }
 
@@ -122,7 +129,8 @@ FR_EXPORT frStatus frPlanCreate(frContext context, const frAttentionShape* shape
   if (frStatus rc = to_tree(tree, &t)) return rc;
   return guarded([&] {
     std::unique_ptr<fr::TreeAttentionPlan> core;
-    fr::Status st = fr::TreeAttentionPlan::create(*context->core, s, t, extra_blocks, &core);
+    fr::Status st = fr::TreeAttentionPlan::create(context->core.get(), s, t, extra_blocks, fr::PlanOptions(), &core);
+    if (st.ok() && !context->core->host_only()) st = core->allocate_workspace();
     if (st.ok()) *out = new frPlan_t{std::move(core)};
     return st;
   });
@@ -131,18 +139,24 @@ FR_EXPORT frStatus frPlanCreate(frContext context, const frAttentionShape* shape
 FR_EXPORT frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info) {
   if (!plan || !info) return invalid("plan and info must not be NULL");
   const fr::TreeAttentionPlan& p = *plan->core;
-  *info = {int32_t(p.num_branches()), int32_t(p.num_nodes()), int32_t(p.computed_nodes()), int32_t(p.num_launches()),
-           int32_t(p.max_blocks()),   p.unique_tokens(),       p.logical_tokens(),          p.workspace_bytes()};
+  *info = {int32_t(p.num_branches()),
+           int32_t(p.tree().num_nodes()),
+           int32_t(p.plan().computed_nodes),
+           int32_t(p.launches().size()),
+           int32_t(p.max_blocks()),
+           p.unique_tokens(),
+           p.logical_tokens(),
+           p.workspace_bytes()};
   return record(fr::Status::Ok());
 }
 
 FR_EXPORT frStatus frPlanKernelName(frPlan plan, int32_t launch, const char** name) {
   if (!plan || !name) return invalid("plan and name must not be NULL");
-  const std::string& kernel = plan->core->kernel_name(launch);
-  if (kernel.empty())
+  const std::vector<fr::OpLaunch>& launches = plan->core->launches();
+  if (launch < 0 || size_t(launch) >= launches.size())
     return invalid("launch " + std::to_string(launch) + " is out of range: the plan has " +
-                   std::to_string(plan->core->num_launches()) + " launches");
-  *name = kernel.c_str();
+                   std::to_string(launches.size()) + " launches");
+  *name = plan->core->context()->kernel(launches[launch].launch.kernel).name.c_str();
   return record(fr::Status::Ok());
 }
 
@@ -168,9 +182,9 @@ FR_EXPORT frStatus frAppendKV(frContext context, void* k_pool, void* v_pool, con
                               const void* v_new, int64_t num_tokens, int32_t num_kv_heads, int32_t head_dim,
                               void* stream) {
   if (!context) return invalid("context must not be NULL");
+  const uint64_t pointers[] = {address(k_pool), address(v_pool), address(slots), address(k_new), address(v_new)};
   return guarded([&] {
-    return fr::append_kv(*context->core, k_pool, v_pool, slots, k_new, v_new, num_tokens, num_kv_heads, head_dim,
-                         stream_of(stream));
+    return fr::append_kv(*context->core, pointers, num_tokens, num_kv_heads, head_dim, stream_of(stream));
   });
 }
 
@@ -188,11 +202,12 @@ FR_EXPORT frStatus frPagedDecode(frContext context, const frAttentionShape* shap
   fr::AttentionShape s;
   if (!context) return invalid("context must not be NULL");
   if (frStatus rc = to_shape(shape, &s)) return rc;
-  fr::PagedDecodeArgs a;
-  a.q = q, a.k_pool = k_pool, a.v_pool = v_pool, a.block_tables = block_tables, a.seq_lens = seq_lens;
-  a.num_seqs = num_seqs, a.max_blocks = max_blocks, a.out = out, a.workspace = workspace;
-  a.workspace_bytes = workspace_bytes;
-  return guarded([&] { return fr::paged_decode(*context->core, s, a, stream_of(stream)); });
+  const uint64_t pointers[] = {address(q), address(k_pool), address(v_pool), address(block_tables), address(seq_lens),
+                               address(out)};
+  return guarded([&] {
+    return fr::paged_decode(*context->core, s, num_seqs, max_blocks, pointers, address(workspace), workspace_bytes,
+                            fr::DecodeOptions(), stream_of(stream));
+  });
 }
 
 FR_EXPORT frStatus frDeviceAlloc(frContext context, size_t bytes, void** ptr) {

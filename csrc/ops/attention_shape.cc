@@ -26,11 +26,10 @@ std::string compiled_head_dims(const Context& ctx, const std::string& family, co
 }  // namespace
 
 double AttentionShape::scale_log2() const {
-  double scale = sm_scale == 0 ? 1.0 / std::sqrt(double(head_dim)) : sm_scale;
-  return scale * 1.4426950408889634;  // log2(e)
+  return sm_scale * 1.4426950408889634;  // log2(e)
 }
 
-Status check_shape(const Context& ctx, const AttentionShape& s, const char* family) {
+Status check_shape_fields(const AttentionShape& s, bool kernel_dtype) {
   if (s.num_kv_heads < 1) return bad("num_kv_heads", ">= 1", s.num_kv_heads);
   if (s.num_qo_heads < 1 || s.num_qo_heads % s.num_kv_heads)
     return bad("num_qo_heads", "a positive multiple of num_kv_heads (" + std::to_string(s.num_kv_heads) + ")",
@@ -38,11 +37,16 @@ Status check_shape(const Context& ctx, const AttentionShape& s, const char* fami
   if (s.head_dim < 1) return bad("head_dim", ">= 1", s.head_dim);
   if (s.block_size < 1) return bad("block_size", ">= 1", s.block_size);
   if (s.num_blocks < 1) return bad("num_blocks", ">= 1", s.num_blocks);
-  if (!std::isfinite(s.sm_scale) || s.sm_scale < 0)
-    return Status::Error(Code::kInvalidArgument,
-                         "shape.sm_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got " + std::to_string(s.sm_scale));
-  if (s.dtype != "float16" && s.dtype != "bfloat16")
+  if (!std::isfinite(s.sm_scale))
+    return Status::Error(Code::kInvalidArgument, "shape.sm_scale must be finite, got " + std::to_string(s.sm_scale));
+  if (kernel_dtype && s.dtype != "float16" && s.dtype != "bfloat16")
     return Status::Error(Code::kInvalidArgument, "shape.dtype must be FR_FLOAT16 or FR_BFLOAT16, got " + s.dtype);
+  return Status::Ok();
+}
+
+Status check_shape(const Context& ctx, const AttentionShape& s, const char* family) {
+  Status st = check_shape_fields(s);
+  if (!st.ok()) return st;
   if (!ctx.rules().rules.count(std::string(family) + "/" + s.rule_suffix()))
     return Status::Error(Code::kUnsupported, "head_dim " + std::to_string(s.head_dim) + " with " + s.dtype +
                                                  " is not compiled for " + ctx.arch() + " (compiled head_dims: " +

@@ -9,20 +9,50 @@
 namespace flash_reasoning {
 namespace {
 
+constexpr size_t kRegionAlign = 256;
+
+Status invalid(const std::string& message) { return Status::Error(Code::kInvalidArgument, message); }
+
+// The kernels index tokens, table entries, queries and partials in int32: every count they
+// index must stay below 2^31, checked before any launch is built.
+Status check_sizes(const AttentionShape& s, int64_t num_seqs, int64_t max_blocks) {
+  if (num_seqs < 0 || num_seqs > INT_MAX)
+    return invalid("num_seqs must be in [0, 2^31), got " + std::to_string(num_seqs));
+  if (max_blocks < 1 || max_blocks > INT_MAX)
+    return invalid("max_blocks must be in [1, 2^31), got " + std::to_string(max_blocks));
+  if (max_blocks * s.block_size > INT_MAX)
+    return invalid("max_blocks * block_size = " + std::to_string(max_blocks * s.block_size) +
+                   " tokens per sequence: the kernels index tokens in int32 (at most 2^31 - 1)");
+  if (num_seqs * max_blocks > INT_MAX)
+    return invalid("block tables of " + std::to_string(num_seqs) + " x " + std::to_string(max_blocks) +
+                   " entries: the kernels index them in int32 (at most 2^31 - 1)");
+  if (num_seqs * s.num_qo_heads * s.head_dim > INT_MAX)
+    return invalid("q of " + std::to_string(num_seqs) + " x " + std::to_string(s.num_qo_heads) + " x " +
+                   std::to_string(s.head_dim) + " elements: the kernels index it in int32 (at most 2^31 - 1)");
+  return Status::Ok();
+}
+
 struct Split {
   int64_t splits = 1;
   int64_t tiles = 0;  // programs per sequence
   size_t partial_out_bytes = 0, partial_lse_bytes = 0;
+  size_t lse_offset() const { return align_up(partial_out_bytes, kRegionAlign); }
+  size_t workspace_bytes() const { return splits > 1 ? lse_offset() + partial_lse_bytes : 0; }
 };
 
-Status plan_split(const Context& ctx, const AttentionShape& s, int64_t num_seqs, int64_t max_blocks, Split* out) {
+Status plan_split(const Context& ctx, const AttentionShape& s, int64_t num_seqs, int64_t max_blocks, int64_t splits,
+                  Split* out) {
   Status st = check_shape(ctx, s, "paged_decode");
+  if (st.ok()) st = check_sizes(s, num_seqs, max_blocks);
+  if (st.ok()) st = query_tiles(ctx, s, &out->tiles);
   if (!st.ok()) return st;
-  if (num_seqs < 0 || max_blocks < 1 || max_blocks > INT_MAX || num_seqs > INT_MAX)
-    return Status::Error(Code::kInvalidArgument, "num_seqs must be >= 0 and max_blocks in [1, 2^31), got " +
-                                                     std::to_string(num_seqs) + " and " + std::to_string(max_blocks));
-  if (!(st = query_tiles(ctx, s, &out->tiles)).ok()) return st;
-  out->splits = paged_decode_splits(ctx.rules(), num_seqs, out->tiles, max_blocks * s.block_size, ctx.num_sms());
+  int64_t max_splits = 64;
+  ctx.rules().constant("max_splits", &max_splits);
+  if (splits < 0 || splits > max_splits)
+    return invalid("splits must be 0 (chosen) or 1.." + std::to_string(max_splits) + ", got " + std::to_string(splits));
+  out->splits = splits ? splits
+                       : paged_decode_splits(ctx.rules(), num_seqs, out->tiles, max_blocks * s.block_size,
+                                             ctx.num_sms());
   if (out->splits > 1) {
     out->partial_out_bytes = size_t(num_seqs * s.num_qo_heads * out->splits * s.head_dim) * 4;
     out->partial_lse_bytes = size_t(num_seqs * s.num_qo_heads * out->splits) * 4;
@@ -30,7 +60,11 @@ Status plan_split(const Context& ctx, const AttentionShape& s, int64_t num_seqs,
   return Status::Ok();
 }
 
-size_t lse_offset(const Split& split) { return align_up(split.partial_out_bytes, 256); }
+LaunchArg call(const char* name) {
+  auto it = std::find_if(kDecodePointers.begin(), kDecodePointers.end(),
+                         [&](const char* p) { return std::string(p) == name; });
+  return LaunchArg::Call(name, it - kDecodePointers.begin());
+}
 
 }  // namespace
 
@@ -49,80 +83,111 @@ int64_t paged_decode_splits(const DispatchTable& rules, int64_t num_seqs, int64_
 Status paged_decode_workspace(const Context& ctx, const AttentionShape& shape, int64_t num_seqs, int64_t max_blocks,
                               size_t* bytes) {
   Split split;
-  Status st = plan_split(ctx, shape, num_seqs, max_blocks, &split);
-  if (st.ok()) *bytes = split.splits > 1 ? lse_offset(split) + split.partial_lse_bytes : 0;
+  Status st = plan_split(ctx, shape, num_seqs, max_blocks, 0, &split);
+  if (st.ok()) *bytes = split.workspace_bytes();
   return st;
 }
 
-Status paged_decode(Context& ctx, const AttentionShape& s, const PagedDecodeArgs& a, CUstream stream) {
-  Status st = ctx.require_device("frPagedDecode");
-  Split split;
-  if (st.ok()) st = plan_split(ctx, s, a.num_seqs, a.max_blocks, &split);
-  if (st.ok()) st = check_pointers({{"q", a.q}, {"k_pool", a.k_pool}, {"v_pool", a.v_pool},
-                                    {"block_tables", a.block_tables}, {"seq_lens", a.seq_lens}, {"out", a.out}});
-  if (!st.ok()) return st;
-  size_t needed = split.splits > 1 ? lse_offset(split) + split.partial_lse_bytes : 0;
-  if (a.workspace && a.workspace_bytes < needed)
-    return Status::Error(Code::kInvalidArgument, "workspace has " + std::to_string(a.workspace_bytes) +
-                                                     " bytes, this decode needs " + std::to_string(needed) +
-                                                     " (frPagedDecodeWorkspaceSize), or pass NULL to never split");
-  if (!a.workspace) split.splits = 1;
-  if (!a.num_seqs) return Status::Ok();
-  int64_t capacity = a.max_blocks * s.block_size;
-  int64_t per_split = ceil_div(capacity, split.splits);
-  int kernel = -1;
-  std::string family = split.splits > 1 ? "paged_decode_split/" : "paged_decode/";
-  int64_t programs = a.num_seqs * split.tiles * split.splits;
-  if (!(st = ctx.pick(ctx.addressing_rule_key(family + s.rule_suffix(), s.block_size), per_split, programs, &kernel)).ok())
-    return st;
-  const char* ws = static_cast<const char*>(a.workspace);
-  const void* partial_out = split.splits > 1 ? ws : nullptr;
-  const void* partial_lse = split.splits > 1 ? ws + lse_offset(split) : nullptr;
-  st = launch_decode_kernel(ctx, kernel, s, a, split.tiles, split.splits, per_split, partial_out, partial_lse, stream);
-  if (!st.ok() || split.splits == 1) return st;
-  if (!(st = ctx.pick("merge_splits/" + s.rule_suffix(), -1, -1, &kernel)).ok()) return st;
-  return ctx.launch(kernel, a.num_seqs * s.num_qo_heads, 1, 1,
-                    {{"partial_out", pointer_arg(partial_out)}, {"partial_lse", pointer_arg(partial_lse)},
-                     {"out", pointer_arg(a.out)}, {"num_splits", Arg::Int(split.splits)}},
-                    stream);
-}
-
-Status launch_decode_kernel(Context& ctx, int kernel, const AttentionShape& s, const PagedDecodeArgs& a,
-                            int64_t tiles, int64_t splits, int64_t per_split, const void* partial_out,
-                            const void* partial_lse, CUstream stream) {
-  int64_t block_n = ctx.kernel(kernel).constexprs.at("BLOCK_N");
+void add_decode_args(const Context& ctx, const AttentionShape& s, const DecodePointers& p, int64_t max_blocks,
+                     int64_t per_split, int64_t partial_out, int64_t partial_lse, OpLaunch* launch) {
+  int64_t block_n = ctx.kernel(launch->launch.kernel).constexprs.at("BLOCK_N");
   int64_t tokens_per_split = std::max(ceil_div(per_split, block_n) * block_n, block_n);
-  return ctx.launch(kernel, a.num_seqs, tiles, splits,
-                    {{"q", pointer_arg(a.q)}, {"k_pool", pointer_arg(a.k_pool)}, {"v_pool", pointer_arg(a.v_pool)},
-                     {"block_tables", pointer_arg(a.block_tables)}, {"seq_lens", pointer_arg(a.seq_lens)},
-                     {"out", pointer_arg(splits > 1 ? nullptr : a.out)},
-                     {"partial_out", pointer_arg(partial_out)}, {"partial_lse", pointer_arg(partial_lse)},
-                     {"sm_scale_log2", Arg::Float(s.scale_log2())}, {"num_qo_heads", Arg::Int(s.num_qo_heads)},
-                     {"num_kv_heads", Arg::Int(s.num_kv_heads)}, {"page_size", Arg::Int(s.block_size)},
-                     {"max_blocks", Arg::Int(a.max_blocks)}, {"tokens_per_split", Arg::Int(tokens_per_split)}},
-                    stream);
+  bool split = launch->launch.grid[2] > 1;
+  LaunchArg none_out = LaunchArg::Value("out", Arg::UInt(0));
+  launch->launch.args = {p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens, split ? none_out : p.out,
+                         split ? LaunchArg::Workspace("partial_out", partial_out)
+                               : LaunchArg::Value("partial_out", Arg::UInt(0)),
+                         split ? LaunchArg::Workspace("partial_lse", partial_lse)
+                               : LaunchArg::Value("partial_lse", Arg::UInt(0)),
+                         LaunchArg::Value("sm_scale_log2", Arg::Float(s.scale_log2())),
+                         LaunchArg::Value("num_qo_heads", Arg::Int(s.num_qo_heads)),
+                         LaunchArg::Value("num_kv_heads", Arg::Int(s.num_kv_heads)),
+                         LaunchArg::Value("page_size", Arg::Int(s.block_size)),
+                         LaunchArg::Value("max_blocks", Arg::Int(max_blocks)),
+                         LaunchArg::Value("tokens_per_split", Arg::Int(tokens_per_split))};
 }
 
-Status append_kv(Context& ctx, void* k_pool, void* v_pool, const void* slots, const void* k_new, const void* v_new,
-                 int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, CUstream stream) {
-  Status st = ctx.require_device("frAppendKV");
-  if (st.ok() && (num_tokens < 0 || num_tokens > INT_MAX || num_kv_heads < 1 || head_dim < 1 ||
-                  num_kv_heads * head_dim > INT_MAX))
-    st = Status::Error(Code::kInvalidArgument, "num_tokens must be in [0, 2^31) and num_kv_heads, head_dim >= 1; got " +
-                                                   std::to_string(num_tokens) + ", " + std::to_string(num_kv_heads) +
-                                                   ", " + std::to_string(head_dim));
-  if (st.ok()) st = check_pointers({{"k_pool", k_pool}, {"v_pool", v_pool}, {"slots", slots}, {"k_new", k_new},
-                                    {"v_new", v_new}});
-  int kernel = -1;
-  int64_t block = 0;
-  if (st.ok()) st = ctx.pick("append_kv", -1, -1, &kernel);
-  if (st.ok()) st = ctx.rules().constant("append_block", &block);
-  if (!st.ok() || !num_tokens) return st;
-  int64_t row_elems = num_kv_heads * head_dim;
-  return ctx.launch(kernel, num_tokens, ceil_div(row_elems, block), 1,
-                    {{"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)}, {"slots", pointer_arg(slots)},
-                     {"k_new", pointer_arg(k_new)}, {"v_new", pointer_arg(v_new)}, {"row_elems", Arg::Int(row_elems)}},
-                    stream);
+Status paged_decode_launches(const Context& ctx, const AttentionShape& s, int64_t num_seqs, int64_t max_blocks,
+                             bool may_split, const DecodeOptions& options, DecodeLaunches* out) {
+  Split split;
+  Status st = plan_split(ctx, s, num_seqs, max_blocks, options.splits, &split);
+  if (!st.ok()) return st;
+  *out = DecodeLaunches();
+  out->workspace_bytes = split.workspace_bytes();
+  if (!may_split && !options.splits) split.splits = 1;
+  out->splits = split.splits;
+  if (!num_seqs) return Status::Ok();
+  int64_t per_split = ceil_div(max_blocks * s.block_size, split.splits);
+  OpLaunch decode;
+  std::string family = split.splits > 1 ? "paged_decode_split/" : "paged_decode/";
+  st = pick_launch(ctx, ctx.num_sms(), addressing_rule_key(ctx, family + s.rule_suffix(), s.block_size), per_split, num_seqs,
+                   split.tiles, split.splits, &decode);
+  if (!st.ok()) return st;
+  if (options.kernel >= 0) decode.launch.kernel = options.kernel;
+  DecodePointers pointers = {call("q"), call("k_pool"), call("v_pool"), call("block_tables"), call("seq_lens"),
+                             call("out")};
+  add_decode_args(ctx, s, pointers, max_blocks, per_split, 0, int64_t(split.lse_offset()), &decode);
+  out->launches.push_back(std::move(decode));
+  if (split.splits == 1) return Status::Ok();
+  OpLaunch merge;
+  if (!(st = pick_launch(ctx, ctx.num_sms(), "merge_splits/" + s.rule_suffix(), -1, num_seqs * s.num_qo_heads, 1, 1, &merge)).ok())
+    return st;
+  merge.launch.args = {LaunchArg::Workspace("partial_out", 0),
+                       LaunchArg::Workspace("partial_lse", int64_t(split.lse_offset())), call("out"),
+                       LaunchArg::Value("num_splits", Arg::Int(split.splits))};
+  out->launches.push_back(std::move(merge));
+  return Status::Ok();
+}
+
+Status paged_decode(Context& ctx, const AttentionShape& s, int64_t num_seqs, int64_t max_blocks,
+                    const uint64_t* pointers, uint64_t workspace, size_t workspace_bytes, const DecodeOptions& options,
+                    CUstream stream) {
+  Status st = ctx.require_device("paged decode");
+  DecodeLaunches decode;
+  if (st.ok()) st = paged_decode_launches(ctx, s, num_seqs, max_blocks, workspace != 0, options, &decode);
+  if (!st.ok()) return st;
+  if (workspace && workspace_bytes < decode.workspace_bytes)
+    return invalid("workspace has " + std::to_string(workspace_bytes) + " bytes, this decode needs " +
+                   std::to_string(decode.workspace_bytes) + " (frPagedDecodeWorkspaceSize), or pass NULL to never split");
+  for (size_t i = 0; i < kDecodePointers.size(); ++i)
+    if (!pointers[i] || pointers[i] % kPointerAlign)
+      return invalid(std::string(kDecodePointers[i]) + " must be a non-NULL, " + std::to_string(kPointerAlign) +
+                     "-byte aligned device pointer");
+  std::vector<KernelLaunch> launches;
+  for (const OpLaunch& l : decode.launches) launches.push_back(l.launch);
+  return ctx.run(launches, {kDecodePointers.begin(), kDecodePointers.end()}, pointers, workspace, stream);
+}
+
+Status append_kv_launch(const Context& ctx, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                        std::vector<OpLaunch>* out) {
+  if (num_tokens < 0 || num_tokens > INT_MAX || num_kv_heads < 1 || head_dim < 1 || num_kv_heads * head_dim > INT_MAX)
+    return invalid("num_tokens must be in [0, 2^31) and num_kv_heads, head_dim >= 1; got " +
+                   std::to_string(num_tokens) + ", " + std::to_string(num_kv_heads) + ", " + std::to_string(head_dim));
+  int64_t block = 0, row_elems = num_kv_heads * head_dim;
+  Status st = ctx.rules().constant("append_block", &block);
+  OpLaunch append;
+  if (st.ok()) st = pick_launch(ctx, ctx.num_sms(), "append_kv", -1, num_tokens, ceil_div(row_elems, block), 1, &append);
+  if (!st.ok()) return st;
+  out->clear();
+  if (!num_tokens) return Status::Ok();
+  for (size_t i = 0; i < kAppendPointers.size(); ++i)
+    append.launch.args.push_back(LaunchArg::Call(kAppendPointers[i], int64_t(i)));
+  append.launch.args.push_back(LaunchArg::Value("row_elems", Arg::Int(row_elems)));
+  out->push_back(std::move(append));
+  return Status::Ok();
+}
+
+Status append_kv(Context& ctx, const uint64_t* pointers, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                 CUstream stream) {
+  Status st = ctx.require_device("append_kv");
+  std::vector<OpLaunch> append;
+  if (st.ok()) st = append_kv_launch(ctx, num_tokens, num_kv_heads, head_dim, &append);
+  for (size_t i = 0; st.ok() && i < kAppendPointers.size(); ++i)
+    if (!pointers[i] || pointers[i] % kPointerAlign)
+      st = invalid(std::string(kAppendPointers[i]) + " must be a non-NULL, " + std::to_string(kPointerAlign) +
+                   "-byte aligned device pointer");
+  if (!st.ok() || append.empty()) return st;
+  return ctx.run({append[0].launch}, {kAppendPointers.begin(), kAppendPointers.end()}, pointers, 0, stream);
 }
 
 }  // namespace flash_reasoning

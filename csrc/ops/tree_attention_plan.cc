@@ -2,49 +2,48 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <utility>
 
-#include "util/int_math.h"
 #include "ops/paged_decode.h"
+#include "util/int_math.h"
 
 namespace flash_reasoning {
 namespace {
 
 constexpr size_t kRegionAlign = 256;
 
+Status invalid(const std::string& message) { return Status::Error(Code::kInvalidArgument, message); }
+
 Status mismatch(const std::string& why) {
   return Status::Error(Code::kPlanMismatch, why + ": the plan no longer describes the tree; create a new plan");
 }
 
 // Checks the host arrays of `tree`: lengths >= 0, each row's blocks within `columns` table
-// columns and the pool. A row needing more than `columns` is kInvalidArgument, or
-// `too_long` when given (an update past the plan's room).
+// columns and the pool. A row needing more than `columns` is kInvalidArgument, or `too_long`
+// when given (an update past the plan's room).
 Status check_tree(const AttentionShape& shape, const TreeInput& tree, int64_t columns, Code too_long) {
-  if (tree.num_branches < 0)
-    return Status::Error(Code::kInvalidArgument, "tree.num_branches must be >= 0, got " + std::to_string(tree.num_branches));
+  if (tree.num_branches < 0) return invalid("tree.num_branches must be >= 0, got " + std::to_string(tree.num_branches));
   if (tree.num_branches && (!tree.lengths || !tree.tables))
-    return Status::Error(Code::kInvalidArgument, "tree.lengths and tree.block_tables must not be NULL");
-  if (tree.stride < 0) return Status::Error(Code::kInvalidArgument, "tree.table_stride must be >= 0");
+    return invalid("tree.lengths and tree.block_tables must not be NULL");
+  if (tree.stride < 0) return invalid("tree.table_stride must be >= 0");
   for (int64_t i = 0; i < tree.num_branches; ++i) {
     std::string at = "branch " + std::to_string(i);
     if (tree.lengths[i] < 0)
-      return Status::Error(Code::kInvalidArgument, "tree.lengths[" + std::to_string(i) + "] must be >= 0, got " +
-                                                       std::to_string(tree.lengths[i]));
+      return invalid("tree.lengths[" + std::to_string(i) + "] must be >= 0, got " + std::to_string(tree.lengths[i]));
     int64_t cols = ceil_div(tree.lengths[i], shape.block_size);
     if (cols > tree.stride)
-      return Status::Error(Code::kInvalidArgument, at + " has " + std::to_string(tree.lengths[i]) + " tokens: " +
-                                                       std::to_string(cols) + " blocks, but tree.table_stride is " +
-                                                       std::to_string(tree.stride));
+      return invalid(at + " has " + std::to_string(tree.lengths[i]) + " tokens: " + std::to_string(cols) +
+                     " blocks, but tree.table_stride is " + std::to_string(tree.stride));
     if (cols > columns)
       return Status::Error(too_long, at + " needs " + std::to_string(cols) + " blocks, the plan holds " +
                                          std::to_string(columns) + " per branch (extra_blocks at creation)");
     for (int64_t j = 0; j < cols; ++j) {
       int32_t block = tree.tables[i * tree.stride + j];
       if (block < 0 || block >= shape.num_blocks)
-        return Status::Error(Code::kInvalidArgument, at + ": block_tables[" + std::to_string(i) + "][" +
-                                                         std::to_string(j) + "] is " + std::to_string(block) +
-                                                         ", must be in [0, shape.num_blocks = " +
-                                                         std::to_string(shape.num_blocks) + ")");
+        return invalid(at + ": block_tables[" + std::to_string(i) + "][" + std::to_string(j) + "] is " +
+                       std::to_string(block) + ", must be in [0, shape.num_blocks = " +
+                       std::to_string(shape.num_blocks) + ")");
     }
   }
   return Status::Ok();
@@ -68,65 +67,102 @@ int64_t longest_item(const ItemList& items) {
   return longest;
 }
 
-// A tree launch's grid (x, y): (programs, heads), or (heads, programs) where each program's
-// heads run together (partial items by ItemList::heads_first, packed final programs by
+// A tree launch's grid: (programs, heads), or (heads, programs) where each program's heads run
+// together (partial items by ItemList::heads_first, packed final programs by
 // Plan::final_heads_first; the kernels' item_and_head).
-std::pair<int64_t, int64_t> ordered_grid(int64_t programs, int64_t heads, bool heads_first) {
-  return heads_first ? std::pair<int64_t, int64_t>{heads, programs} : std::pair<int64_t, int64_t>{programs, heads};
+void ordered_grid(int64_t programs, int64_t heads, bool heads_first, int64_t grid[3]) {
+  grid[0] = heads_first ? heads : programs;
+  grid[1] = heads_first ? programs : heads;
+  grid[2] = 1;
+}
+
+LaunchArg call(size_t index, int64_t rows = 0, int64_t cols = 0) {
+  return LaunchArg::Call(kPlanPointers[index], int64_t(index), rows, cols);
+}
+
+// The PlanShape of `shape`: the compiled row tiles from the context's manifest, else the
+// planner's defaults (the same tiles: a test checks).
+Status plan_shape_of(const Context* ctx, const AttentionShape& shape, int64_t num_sms, PlanShape* out) {
+  out->num_qo_heads = shape.num_qo_heads;
+  out->num_kv_heads = shape.num_kv_heads;
+  out->head_dim = shape.head_dim;
+  out->dtype_bytes = shape.dtype_bytes();
+  out->num_sms = num_sms ? num_sms : ctx ? ctx->num_sms() : 1;
+  if (!ctx) return Status::Ok();
+  Status st = ctx->rules().constant("tree_block_m_narrow", &out->block_ms[0]);
+  if (st.ok()) st = ctx->rules().constant("tree_block_m_wide", &out->block_ms[1]);
+  if (st.ok()) st = ctx->rules().constant("tree_final_block_m_wide", &out->wide_final_rows);
+  return st;
 }
 
 }  // namespace
 
-Status TreeAttentionPlan::create(Context& ctx, const AttentionShape& shape, const TreeInput& tree,
-                                 int64_t extra_blocks, std::unique_ptr<TreeAttentionPlan>* out) {
-  Status st = check_shape(ctx, shape, "tree_final");
+Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, const TreeInput& tree,
+                                 int64_t extra_blocks, const PlanOptions& options,
+                                 std::unique_ptr<TreeAttentionPlan>* out) {
+  Status st = ctx ? check_shape(*ctx, shape, "tree_final") : check_shape_fields(shape);
+  if (st.ok()) st = check_tree(shape, tree, tree.stride, Code::kInvalidArgument);
   if (!st.ok()) return st;
-  if (extra_blocks < 0) return Status::Error(Code::kInvalidArgument, "extra_blocks must be >= 0, got " + std::to_string(extra_blocks));
-  if (!(st = check_tree(shape, tree, tree.stride, Code::kInvalidArgument)).ok()) return st;
+  std::vector<int64_t> lengths(tree.lengths, tree.lengths + tree.num_branches);
+  SegmentTree segments;
+  st = segment_tree_from_tables(tree.num_branches, lengths.data(), tree.tables, tree.stride, shape.block_size,
+                                &segments);
+  if (!st.ok()) return st;
+  return create(ctx, shape, std::move(segments), tree.tables, tree.stride, extra_blocks, options, out);
+}
+
+Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, SegmentTree tree, const int32_t* tables,
+                                 int64_t stride, int64_t extra_blocks, const PlanOptions& options,
+                                 std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms) {
+  Status st = ctx ? check_shape(*ctx, shape, "tree_final") : check_shape_fields(shape, false);
+  if (!st.ok()) return st;
+  if (extra_blocks < 0) return invalid("extra_blocks must be >= 0, got " + std::to_string(extra_blocks));
+  if (num_sms < 0) return invalid("num_sms must be >= 0 (0: the context's), got " + std::to_string(num_sms));
+  if (!tables && ctx) return invalid("a plan with kernels needs the branches' block tables");
+  std::vector<int32_t> lengths(tree.lengths.size());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (tree.lengths[i] > INT_MAX)
+      return invalid("branch " + std::to_string(i) + " has " + std::to_string(tree.lengths[i]) +
+                     " tokens: the kernels index tokens in int32 (at most 2^31 - 1)");
+    lengths[i] = int32_t(tree.lengths[i]);
+  }
+  TreeInput input{tree.num_rows(), lengths.data(), tables, stride};
+  if (tables && !(st = check_tree(shape, input, stride, Code::kInvalidArgument)).ok()) return st;
 
   std::unique_ptr<TreeAttentionPlan> p(new TreeAttentionPlan(ctx, shape));
-  std::vector<int64_t> lengths(tree.lengths, tree.lengths + tree.num_branches);
-  if (!(st = segment_tree_from_tables(tree.num_branches, lengths.data(), tree.tables, tree.stride, shape.block_size,
-                                      &p->tree_)).ok())
-    return st;
-  PlanShape& plan_shape = p->plan_shape_;
-  plan_shape.num_qo_heads = shape.num_qo_heads;
-  plan_shape.num_kv_heads = shape.num_kv_heads;
-  plan_shape.head_dim = shape.head_dim;
-  plan_shape.num_sms = ctx.num_sms();
-  if (!(st = ctx.rules().constant("tree_block_m_narrow", &plan_shape.block_ms[0])).ok()) return st;
-  if (!(st = ctx.rules().constant("tree_block_m_wide", &plan_shape.block_ms[1])).ok()) return st;
-  if (!(st = ctx.rules().constant("tree_final_block_m_wide", &plan_shape.wide_final_rows)).ok()) return st;
-  if (!(st = make_plan(p->tree_, plan_shape, PlanOptions(), &p->plan_)).ok()) return st;
-
-  int64_t longest = 0;
-  for (int64_t len : lengths) longest = std::max(longest, ceil_div(len, shape.block_size));
-  p->max_blocks_ = std::max<int64_t>(1, longest + extra_blocks);
-  if (p->max_blocks_ > INT_MAX || p->max_blocks_ * tree.num_branches > INT_MAX)
-    return Status::Error(Code::kInvalidArgument, "block tables of " + std::to_string(tree.num_branches) + " x " +
-                                                     std::to_string(p->max_blocks_) + " entries overflow int32 indexing");
-  p->tables_ = dense_tables(shape, tree, p->max_blocks_);
-  p->lengths_.assign(tree.lengths, tree.lengths + tree.num_branches);
-  if (!(st = p->pick_kernels()).ok()) return st;  // writes the items' run splits: before packing
+  if (!(st = plan_shape_of(ctx, shape, num_sms, &p->plan_shape_)).ok()) return st;
+  if (!(st = make_plan(tree, p->plan_shape_, options, &p->plan_)).ok()) return st;
+  if (tables && !(st = p->take_tables(input, extra_blocks)).ok()) return st;
+  p->lengths_ = std::move(lengths);
+  p->tree_ = std::move(tree);
+  // Before packing: two-run items carry their run split in their records.
+  for (ItemList& items : p->plan_.items)
+    p->slot_runs_.push_back(!tables || options.slot_runs == 0
+                                ? 0
+                                : item_runs(&items, p->plan_.final_start, p->tables_.data(), p->max_blocks_,
+                                            shape.block_size));
   pack_work_lists(p->plan_, &p->work_, &p->work_offset_);
-  if (!(st = p->allocate_and_upload()).ok()) return st;
+  p->layout_workspace();
+  if (ctx && !(st = p->build_launches()).ok()) return st;
   *out = std::move(p);
   return Status::Ok();
 }
 
 TreeAttentionPlan::~TreeAttentionPlan() {
-  if (workspace_) ctx_.free(workspace_);  // an error here has no one to report to
+  if (owns_workspace_) ctx_->free(workspace_);  // an error here has no one to report to
 }
 
-int64_t TreeAttentionPlan::num_launches() const {
-  return num_branches() ? int64_t(plan_.items.size()) + 1 : 0;
-}
-
-const std::string& TreeAttentionPlan::kernel_name(int64_t launch) const {
-  static const std::string none;
-  if (launch < 0 || launch >= num_launches()) return none;
-  size_t partials = partial_kernels_.size();
-  return ctx_.kernel(size_t(launch) < partials ? partial_kernels_[launch] : last_kernel_).name;
+// The plan's own dense copy of `input`'s tables, extra_blocks columns beyond the longest branch.
+Status TreeAttentionPlan::take_tables(const TreeInput& input, int64_t extra_blocks) {
+  int64_t longest = 0;
+  for (int64_t i = 0; i < input.num_branches; ++i)
+    longest = std::max(longest, ceil_div(input.lengths[i], shape_.block_size));
+  max_blocks_ = std::max<int64_t>(1, longest + extra_blocks);
+  if (max_blocks_ > INT_MAX || max_blocks_ * input.num_branches > INT_MAX)
+    return invalid("block tables of " + std::to_string(input.num_branches) + " x " + std::to_string(max_blocks_) +
+                   " entries overflow int32 indexing");
+  tables_ = dense_tables(shape_, input, max_blocks_);
+  return Status::Ok();
 }
 
 int64_t TreeAttentionPlan::unique_tokens() const {
@@ -141,127 +177,170 @@ int64_t TreeAttentionPlan::logical_tokens() const {
   return total;
 }
 
-Status TreeAttentionPlan::pick_kernels() {
-  partial_kernels_.clear();
-  for (ItemList& items : plan_.items) {
-    int kernel = -1;
-    std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
-    // check_update keeps the shared ranges' blocks: an item's runs stay where they are.
-    int runs = item_runs(&items, plan_.final_start, tables_.data(), max_blocks_, shape_.block_size);
-    Status st = ctx_.pick(ctx_.addressing_rule_key(key, shape_.block_size, runs), longest_item(items),
-                          items.count() * shape_.num_kv_heads, &kernel);
-    if (!st.ok()) return st;
-    partial_kernels_.push_back(kernel);
-  }
-  if (plan_.separate_merge) return ctx_.pick("tree_merge/" + shape_.rule_suffix(), -1, -1, &last_kernel_);
-  return pick_final_kernel();
-}
-
-// The rule list of the final launch: a packed program (several lanes) has its own, one per
-// final tile, and so has one that reads its lanes' shared range (dispatch.tree_final_kernel).
-std::string TreeAttentionPlan::final_kernel() const {
-  if (plan_.as_paged_decode) return "paged_decode/";
-  if (plan_.final_lanes == 1) return "tree_final/";
-  bool wide = plan_shape_.final_block_m(plan_.final_lanes) > plan_shape_.block_ms[0];
-  return std::string(plan_.has_common() ? "tree_final_common" : "tree_final_packed") + (wide ? "_wide/" : "/");
-}
-
-// By the longest final range, which grows with the leaves: picked again on each update. A
-// packed program walks its lanes' ranges side by side.
-Status TreeAttentionPlan::pick_final_kernel() {
-  if (plan_.separate_merge) return Status::Ok();  // no final kernel
-  int64_t longest = 0;
-  for (size_t b = 0; b < lengths_.size(); ++b)
-    longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
-  return ctx_.pick(ctx_.addressing_rule_key(final_kernel() + shape_.rule_suffix(), shape_.block_size),
-                   longest * plan_.final_lanes,
-                   final_programs() * plan_shape_.final_tiles(), &last_kernel_);
-}
-
-int64_t TreeAttentionPlan::final_programs() const { return ceil_div(num_branches(), plan_.final_lanes); }
-
-Status TreeAttentionPlan::allocate_and_upload() {
-  int64_t n = num_branches();
-  size_t sizes[] = {work_.size() * 4, size_t(n * max_blocks_) * 4, size_t(std::max<int64_t>(n, 4)) * 4,
-                    size_t(plan_.num_entries * shape_.num_qo_heads * shape_.head_dim) * 4,
-                    size_t(plan_.num_entries * shape_.num_qo_heads) * 4};
-  size_t offsets[5];
+void TreeAttentionPlan::layout_workspace() {
+  size_t n = size_t(num_branches()), partial_values = size_t(plan_.num_entries * shape_.num_qo_heads);
+  size_t sizes[kNumRegions] = {work_.size() * 4, n * size_t(max_blocks_) * 4, n * 4,
+                               partial_values * size_t(shape_.head_dim) * 4, partial_values * 4};
   workspace_bytes_ = 0;
-  for (int r = 0; r < 5; ++r) {
-    offsets[r] = workspace_bytes_;
+  for (int r = 0; r < kNumRegions; ++r) {
+    regions_[r] = {workspace_bytes_, sizes[r]};
     workspace_bytes_ += align_up(std::max<size_t>(sizes[r], 16), kRegionAlign);
   }
-  if (ctx_.host_only()) return Status::Ok();
-  Status st = ctx_.alloc(workspace_bytes_, &workspace_);
-  if (!st.ok()) return st;
-  d_work_ = workspace_ + offsets[0];
-  d_tables_ = workspace_ + offsets[1];
-  d_lengths_ = workspace_ + offsets[2];
-  d_partial_out_ = workspace_ + offsets[3];
-  d_partial_lse_ = workspace_ + offsets[4];
-  if (st.ok()) st = ctx_.copy_to_device(d_work_, work_.data(), sizes[0]);
-  if (st.ok()) st = ctx_.copy_to_device(d_tables_, tables_.data(), sizes[1]);
-  if (st.ok()) st = ctx_.copy_to_device(d_lengths_, lengths_.data(), size_t(n) * 4);
-  return st;  // on failure the destructor frees the workspace
+  image_.assign(regions_[int(Region::kPartialOut)].offset, 0);
+  std::memcpy(image_.data(), work_.data(), sizes[0]);
+  std::memcpy(image_.data() + regions_[int(Region::kTables)].offset, tables_.data(), sizes[1]);
+  std::memcpy(image_.data() + regions_[int(Region::kLengths)].offset, lengths_.data(), sizes[2]);
 }
 
-Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream) {
-  Status st = ctx_.require_device("frPlanRun");
-  if (!st.ok()) return st;
-  if (!(st = check_pointers({{"q", q}, {"k_pool", k_pool}, {"v_pool", v_pool}, {"out", out}})).ok()) return st;
+LaunchArg TreeAttentionPlan::work_list(const char* name, size_t list) const {
+  return LaunchArg::Workspace(name, int64_t(regions_[int(Region::kWork)].offset) + 4 * work_offset_[list]);
+}
+
+LaunchArg TreeAttentionPlan::region_arg(const char* name, Region r) const {
+  return LaunchArg::Workspace(name, int64_t(regions_[int(r)].offset));
+}
+
+Status TreeAttentionPlan::build_launches() {
   if (!num_branches()) return Status::Ok();
-  auto work = [&](size_t list) { return pointer_arg(reinterpret_cast<void*>(d_work_ + 4 * work_offset_[list])); };
-  auto device = [](CUdeviceptr p) { return pointer_arg(reinterpret_cast<void*>(p)); };
-  Arg scale = Arg::Float(shape_.scale_log2()), qo = Arg::Int(shape_.num_qo_heads), kv = Arg::Int(shape_.num_kv_heads),
-      page = Arg::Int(shape_.block_size), cols = Arg::Int(max_blocks_);
+  Status st = add_partial_launches();
+  return st.ok() ? add_last_launch() : st;
+}
+
+Status TreeAttentionPlan::add_partial_launches() {
   // The pools as [slots, KV heads x head_dim], for partial kernels that read them through TMA.
   int64_t slots = shape_.num_blocks * shape_.block_size, row = shape_.num_kv_heads * shape_.head_dim;
-  for (size_t i = 0; i < plan_.items.size() && st.ok(); ++i) {
+  for (size_t i = 0; i < plan_.items.size(); ++i) {
     const ItemList& items = plan_.items[i];
-    auto [gx, gy] = ordered_grid(items.count(), shape_.num_kv_heads, items.heads_first);
-    st = ctx_.launch(partial_kernels_[i], gx, gy, 1,
-                     {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool), slots, row},
-                      {"v_pool", pointer_arg(v_pool), slots, row},
-                      {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)},
-                      {"order", work(kOrder)}, {"items", work(kFirstItems + i)},
-                      {"entry_slot", work(kEntrySlot)}, {"partial_out", device(d_partial_out_)},
-                      {"partial_lse", device(d_partial_lse_)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
-                      {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
-                      {"early_final", Arg::Int(plan_.early_final)},
-                      {"heads_first", Arg::Int(items.heads_first)}},
-                     stream, i > 0);  // the second tile's launch overlaps the first's
+    std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
+    int64_t grid[3];
+    ordered_grid(items.count(), shape_.num_kv_heads, items.heads_first, grid);
+    OpLaunch launch;
+    Status st = pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, key, shape_.block_size, slot_runs_[i]),
+                            longest_item(items), grid[0], grid[1], grid[2], &launch);
+    if (!st.ok()) return st;
+    launch.launch.args = {call(0),
+                          call(1, slots, row),
+                          call(2, slots, row),
+                          region_arg("block_tables", Region::kTables),
+                          region_arg("seq_lens", Region::kLengths),
+                          work_list("order", kOrder),
+                          work_list("items", kFirstItems + i),
+                          work_list("entry_slot", kEntrySlot),
+                          region_arg("partial_out", Region::kPartialOut),
+                          region_arg("partial_lse", Region::kPartialLse),
+                          LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
+                          LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
+                          LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
+                          LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
+                          LaunchArg::Value("max_blocks", Arg::Int(max_blocks_)),
+                          LaunchArg::Value("early_final", Arg::Int(plan_.early_final)),
+                          LaunchArg::Value("heads_first", Arg::Int(items.heads_first))};
+    launches_.push_back(std::move(launch));
   }
+  return Status::Ok();
+}
+
+// The final launch (each branch's own range and its merge), the merge launch of a plan that
+// merges separately, or, for a plan with no partials, paged_decode's kernel over its tables.
+Status TreeAttentionPlan::add_last_launch() {
+  int64_t n = num_branches(), tiles = plan_shape_.final_tiles(), lanes = plan_.final_lanes;
+  int64_t longest = 0;  // the longest final range: what the final kernel is picked by
+  for (int64_t b = 0; b < n; ++b) longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
+  OpLaunch launch;
+  Status st;
+  if (plan_.separate_merge) {
+    st = pick_launch(*ctx_, plan_shape_.num_sms, "tree_merge/" + shape_.rule_suffix(), -1, n, shape_.num_qo_heads, 1, &launch);
+    launch.launch.args = {work_list("merge_ptr", kMergePtr), region_arg("partial_out", Region::kPartialOut),
+                          region_arg("partial_lse", Region::kPartialLse), call(3),
+                          LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads))};
+  } else if (plan_.as_paged_decode) {  // unsplit, each program a whole branch up to the table's end
+    st = pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, "paged_decode/" + shape_.rule_suffix(), shape_.block_size),
+                     longest, n, tiles, 1, &launch);
+    if (st.ok())
+      add_decode_args(*ctx_, shape_,
+                      {call(0), call(1), call(2), region_arg("block_tables", Region::kTables),
+                       region_arg("seq_lens", Region::kLengths), call(3)},
+                      max_blocks_, max_blocks_ * shape_.block_size, 0, 0, &launch);
+  } else {
+    // A packed program (several lanes) walks its lanes' ranges side by side: its own rule list,
+    // one per final tile, and one for programs that read their lanes' shared range first.
+    std::string kernel = "tree_final/";
+    if (lanes > 1) {
+      bool wide = plan_shape_.final_block_m(lanes) > plan_shape_.block_ms[0];
+      kernel = std::string(plan_.has_common() ? "tree_final_common" : "tree_final_packed") + (wide ? "_wide/" : "/");
+    }
+    int64_t grid[3];
+    ordered_grid(ceil_div(n, lanes), tiles, plan_.final_heads_first, grid);
+    st = pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size),
+                     longest * lanes, grid[0], grid[1], grid[2], &launch);
+    launch.launch.args = {call(0),
+                          call(1),
+                          call(2),
+                          region_arg("block_tables", Region::kTables),
+                          region_arg("seq_lens", Region::kLengths),
+                          work_list("order", kOrder),
+                          work_list("final_start", kFinalStart),
+                          work_list("merge_ptr", kMergePtr),
+                          work_list("common", kCommon),
+                          region_arg("partial_out", Region::kPartialOut),
+                          region_arg("partial_lse", Region::kPartialLse),
+                          call(3),
+                          LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
+                          LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
+                          LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
+                          LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
+                          LaunchArg::Value("max_blocks", Arg::Int(max_blocks_)),
+                          LaunchArg::Value("num_rows", Arg::Int(n)),
+                          LaunchArg::Value("lanes", Arg::Int(lanes)),
+                          LaunchArg::Value("heads_first", Arg::Int(plan_.final_heads_first))};
+  }
+  if (st.ok()) launches_.push_back(std::move(launch));
+  return st;
+}
+
+Status TreeAttentionPlan::bind(uint64_t workspace) {
+  if (!ctx_) return invalid("a plan made without a context has no launches to bind");
+  if (!workspace || workspace % kPointerAlign)
+    return invalid("workspace must be a non-NULL, " + std::to_string(kPointerAlign) + "-byte aligned device pointer");
+  std::vector<KernelLaunch> launches;
+  for (const OpLaunch& l : launches_) launches.push_back(l.launch);
+  std::unique_ptr<LaunchSequence> sequence;
+  Status st = ctx_->prepare(launches, {kPlanPointers.begin(), kPlanPointers.end()}, workspace, &sequence);
   if (!st.ok()) return st;
-  if (plan_.as_paged_decode) {  // no partials: paged_decode's kernel over the plan's tables, unsplit
-    PagedDecodeArgs decode;
-    decode.q = q, decode.k_pool = k_pool, decode.v_pool = v_pool, decode.out = out;
-    decode.block_tables = reinterpret_cast<const void*>(d_tables_);
-    decode.seq_lens = reinterpret_cast<const void*>(d_lengths_);
-    decode.num_seqs = num_branches(), decode.max_blocks = max_blocks_;
-    return launch_decode_kernel(ctx_, last_kernel_, shape_, decode, plan_shape_.final_tiles(), 1,
-                                max_blocks_ * shape_.block_size, nullptr, nullptr, stream);
+  sequence_ = std::move(sequence);
+  workspace_ = workspace;
+  return Status::Ok();
+}
+
+Status TreeAttentionPlan::allocate_workspace() {
+  if (!ctx_) return invalid("a plan made without a context cannot allocate device memory");
+  CUdeviceptr workspace = 0;
+  Status st = ctx_->alloc(workspace_bytes_, &workspace);
+  if (!st.ok()) return st;
+  st = ctx_->copy_to_device(workspace, image_.data(), image_.size());
+  if (st.ok()) st = bind(workspace);
+  if (!st.ok()) {
+    ctx_->free(workspace);
+    return st;
   }
-  bool after_partials = !plan_.items.empty();  // the last launch may overlap the partial launch
-  if (plan_.separate_merge)
-    return ctx_.launch(last_kernel_, num_branches(), shape_.num_qo_heads, 1,
-                       {{"merge_ptr", work(kMergePtr)}, {"partial_out", device(d_partial_out_)},
-                        {"partial_lse", device(d_partial_lse_)}, {"out", pointer_arg(out)}, {"num_qo_heads", qo}},
-                       stream, after_partials);
-  auto [gx, gy] = ordered_grid(final_programs(), plan_shape_.final_tiles(), plan_.final_heads_first);
-  return ctx_.launch(last_kernel_, gx, gy, 1,
-                     {{"q", pointer_arg(q)}, {"k_pool", pointer_arg(k_pool)}, {"v_pool", pointer_arg(v_pool)},
-                      {"block_tables", device(d_tables_)}, {"seq_lens", device(d_lengths_)}, {"order", work(kOrder)},
-                      {"final_start", work(kFinalStart)}, {"merge_ptr", work(kMergePtr)}, {"common", work(kCommon)},
-                      {"partial_out", device(d_partial_out_)}, {"partial_lse", device(d_partial_lse_)},
-                      {"out", pointer_arg(out)}, {"sm_scale_log2", scale}, {"num_qo_heads", qo},
-                      {"num_kv_heads", kv}, {"page_size", page}, {"max_blocks", cols},
-                      {"num_rows", Arg::Int(num_branches())}, {"lanes", Arg::Int(plan_.final_lanes)},
-                      {"heads_first", Arg::Int(plan_.final_heads_first)}},
-                     stream, after_partials);
+  owns_workspace_ = true;
+  return Status::Ok();
+}
+
+Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out,
+                              CUstream stream) const {
+  Status st = check_pointers({{"q", q}, {"k_pool", k_pool}, {"v_pool", v_pool}, {"out", out}});
+  if (st.ok()) st = ctx_ ? ctx_->require_device("frPlanRun") : invalid("a plan made without a context cannot run");
+  if (!st.ok() || launches_.empty()) return st;
+  if (!sequence_) return invalid("the plan is not bound to a workspace (bind or allocate_workspace first)");
+  const uint64_t pointers[] = {reinterpret_cast<uint64_t>(q), reinterpret_cast<uint64_t>(k_pool),
+                               reinterpret_cast<uint64_t>(v_pool), reinterpret_cast<uint64_t>(out)};
+  return sequence_->run(pointers, kPlanPointers.size(), stream);
 }
 
 Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_t>* tables,
                                        std::vector<int32_t>* lengths) const {
+  if (tree.num_branches < 0) return invalid("tree.num_branches must be >= 0, got " + std::to_string(tree.num_branches));
   if (tree.num_branches != num_branches())
     return mismatch("the plan has " + std::to_string(num_branches()) + " branches, the tree " +
                     std::to_string(tree.num_branches));
@@ -284,17 +363,21 @@ Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_
 }
 
 Status TreeAttentionPlan::update(const TreeInput& tree, CUstream stream) {
-  Status st = ctx_.require_device("frPlanUpdate");
+  Status st = ctx_ ? ctx_->require_device("frPlanUpdate") : invalid("a plan made without a context has no workspace");
   std::vector<int32_t> tables, lengths;
   if (st.ok()) st = check_update(tree, &tables, &lengths);
+  if (st.ok() && !owns_workspace_) st = invalid("update writes the plan's own workspace (allocate_workspace)");
   if (!st.ok()) return st;
   // Pageable sources: each copy returns once its bytes are staged, so the buffers may change after.
-  st = ctx_.copy_to_device_async(d_tables_, tables.data(), tables.size() * 4, stream);
-  if (st.ok()) st = ctx_.copy_to_device_async(d_lengths_, lengths.data(), lengths.size() * 4, stream);
+  st = ctx_->copy_to_device_async(workspace_ + regions_[int(Region::kTables)].offset, tables.data(),
+                                  tables.size() * 4, stream);
+  if (st.ok())
+    st = ctx_->copy_to_device_async(workspace_ + regions_[int(Region::kLengths)].offset, lengths.data(),
+                                    lengths.size() * 4, stream);
   if (!st.ok()) return st;
   tables_.swap(tables);
   lengths_.swap(lengths);
-  return pick_final_kernel();
+  return Status::Ok();
 }
 
 }  // namespace flash_reasoning

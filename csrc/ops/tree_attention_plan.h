@@ -1,17 +1,23 @@
-// tree_attention for C callers: a plan built from block tables (segment tree, planner,
-// kernels picked by the manifest's dispatch rules) that owns its device workspace, runs with
-// no allocation or sync, and takes the next step's lengths without re-planning.
+// tree_attention's plan: the one place a tree's launches are built, for both front ends. A plan
+// is made from a segment tree and the branches' block tables (the planner's work lists, each
+// launch's kernel picked by the context's dispatch rules, every argument named); it runs against
+// one workspace (work lists, tables, lengths, partials) with four pointers per call, so a run
+// allocates nothing and never syncs. The C ABI's plan owns its workspace (allocate_workspace,
+// update); Python's lives in a torch tensor it fills from image() and binds.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "ops/attention_shape.h"
-#include "runtime/context.h"
+#include "ops/op_launch.h"
 #include "planner/planner.h"
 #include "planner/segment_tree.h"
+#include "runtime/context.h"
+#include "runtime/launch_sequence.h"
 
 namespace flash_reasoning {
 
@@ -24,54 +30,95 @@ struct TreeInput {
   int64_t stride = 0;
 };
 
+// The pointers each run passes, in this order (LaunchArg::Call indices).
+constexpr std::array<const char*, 4> kPlanPointers = {"q", "k_pool", "v_pool", "out"};
+
+// A plan's workspace: these regions in this order, each 256-byte aligned. The first three are the
+// plan's image (written from the host); its kernels write the partials.
+enum class Region { kWork, kTables, kLengths, kPartialOut, kPartialLse };
+constexpr int kNumRegions = 5;
+struct RegionSpan {
+  size_t offset = 0, bytes = 0;
+};
+
 class TreeAttentionPlan {
  public:
-  static Status create(Context& ctx, const AttentionShape& shape, const TreeInput& tree, int64_t extra_blocks,
-                       std::unique_ptr<TreeAttentionPlan>* out);
+  // Plans `tree`, whose row i holds tree.lengths[i] tokens in blocks tables[i * stride + j]
+  // (which decide the slot-run kernels and fill the plan's table region; extra_blocks columns
+  // beyond the longest branch let branches grow), for `num_sms` SMs (0: the context's). With a
+  // context the kernels are picked and the launches listed; without (`ctx` null: the PyTorch
+  // path, planning tools; any dtype) there are none, and `tables` may be null (planning only).
+  static Status create(Context* ctx, const AttentionShape& shape, SegmentTree tree, const int32_t* tables,
+                       int64_t stride, int64_t extra_blocks, const PlanOptions& options,
+                       std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms = 0);
+  // The C ABI's: sharing read from the tables (segment_tree_from_tables).
+  static Status create(Context* ctx, const AttentionShape& shape, const TreeInput& tree, int64_t extra_blocks,
+                       const PlanOptions& options, std::unique_ptr<TreeAttentionPlan>* out);
   ~TreeAttentionPlan();
+  TreeAttentionPlan(const TreeAttentionPlan&) = delete;
+  TreeAttentionPlan& operator=(const TreeAttentionPlan&) = delete;
 
-  Status run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream);
-  Status update(const TreeInput& tree, CUstream stream);
-
-  int64_t num_branches() const { return int64_t(lengths_.size()); }
-  int64_t num_nodes() const { return tree_.num_nodes(); }
-  int64_t computed_nodes() const { return plan_.computed_nodes; }
-  int64_t num_launches() const;
-  // The manifest name of launch `launch` (0 <= launch < num_launches()) of the next run: the
-  // partial launches in order, then the final (or merge) kernel; an empty name out of range.
-  const std::string& kernel_name(int64_t launch) const;
+  Context* context() const { return ctx_; }
+  const Plan& plan() const { return plan_; }
+  const PlanShape& plan_shape() const { return plan_shape_; }
+  const SegmentTree& tree() const { return tree_; }
+  // The partial launches (one per row tile in plan().items), then the final, merge or decode one.
+  const std::vector<OpLaunch>& launches() const { return launches_; }
+  // Per plan().items entry: the runs of consecutive slots its launch reads each item as (1 or 2),
+  // or 0 (the page kernels); planner.h's item_runs.
+  const std::vector<int>& slot_runs() const { return slot_runs_; }
+  int64_t num_branches() const { return tree_.num_rows(); }
   int64_t max_blocks() const { return max_blocks_; }
   int64_t unique_tokens() const;
   int64_t logical_tokens() const;
+
   size_t workspace_bytes() const { return workspace_bytes_; }
+  RegionSpan region(Region r) const { return regions_[int(r)]; }
+  // The first bytes of the workspace as the launches expect them before a run: the work lists,
+  // the tables (max_blocks() columns a branch) and the lengths, each at its region's offset.
+  const std::vector<uint8_t>& image() const { return image_; }
+
+  // Prepares the launches against `workspace` (device memory of workspace_bytes(), holding
+  // image()): then run() may be called. Needs a context.
+  Status bind(uint64_t workspace);
+  // Allocates the workspace through the context, uploads image() and binds: the plan owns it.
+  Status allocate_workspace();
+  // The launches on `stream` with this call's pointers (each non-null, 16-byte aligned).
+  Status run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream) const;
+  // An owned workspace's next decode step: new lengths and tables, accepted when every branch
+  // still holds the blocks the plan reads in shared ranges (else kPlanMismatch; nothing changes).
+  // The kernels stay those picked at creation (a CUDA graph captured from run() stays valid).
+  Status update(const TreeInput& tree, CUstream stream);
 
  private:
-  TreeAttentionPlan(Context& ctx, AttentionShape shape) : ctx_(ctx), shape_(std::move(shape)) {}
-  Status pick_kernels();
-  Status pick_final_kernel();
-  std::string final_kernel() const;
-  // Final-kernel programs per GQA tile: a packed program serves plan_.final_lanes branches.
-  int64_t final_programs() const;
-  Status allocate_and_upload();
-  // Validates `tree` against the plan (same branches, each still holding the blocks the plan
-  // reads for several branches) and fills `tables`/`lengths` (max_blocks_ columns).
+  TreeAttentionPlan(Context* ctx, AttentionShape shape) : ctx_(ctx), shape_(std::move(shape)) {}
+  Status take_tables(const TreeInput& input, int64_t extra_blocks);
+  Status build_launches();
+  Status add_partial_launches();
+  Status add_last_launch();
+  LaunchArg work_list(const char* name, size_t list) const;
+  LaunchArg region_arg(const char* name, Region r) const;
+  void layout_workspace();
   Status check_update(const TreeInput& tree, std::vector<int32_t>* tables, std::vector<int32_t>* lengths) const;
 
-  Context& ctx_;
+  Context* ctx_;  // null: planning only
   AttentionShape shape_;
   SegmentTree tree_;
-  PlanShape plan_shape_;  // what plan_ was made for; its final_tiles() is the final launch's grid.y
+  PlanShape plan_shape_;
   Plan plan_;
   int64_t max_blocks_ = 0;
-  std::vector<int32_t> tables_;   // [num_branches, max_blocks_], as on the device
-  std::vector<int32_t> lengths_;  // [num_branches]
-  std::vector<int32_t> work_;     // order, final_start, merge_ptr, entry_slot, items: as on the device
-  std::vector<int64_t> work_offset_;  // element offset of each of those lists in work_
-  std::vector<int> partial_kernels_;  // per plan_.items entry
-  int last_kernel_ = -1;  // tree_final, tree_merge when the plan merges separately, paged_decode (plan_.decode)
-  CUdeviceptr workspace_ = 0;
+  std::vector<int32_t> tables_;   // [num_branches, max_blocks_]
+  std::vector<int32_t> lengths_;  // [num_branches]: at creation, then each update's
+  std::vector<int32_t> work_;     // the planner's lists packed for one upload (pack_work_lists)
+  std::vector<int64_t> work_offset_;
+  std::vector<int> slot_runs_;
+  std::vector<OpLaunch> launches_;
+  std::array<RegionSpan, kNumRegions> regions_;
   size_t workspace_bytes_ = 0;
-  CUdeviceptr d_tables_ = 0, d_lengths_ = 0, d_work_ = 0, d_partial_out_ = 0, d_partial_lse_ = 0;
+  std::vector<uint8_t> image_;
+  uint64_t workspace_ = 0;       // bound
+  bool owns_workspace_ = false;  // allocate_workspace()'s, freed with the plan
+  std::unique_ptr<LaunchSequence> sequence_;
 };
 
 }  // namespace flash_reasoning

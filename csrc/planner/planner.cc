@@ -636,6 +636,7 @@ void prefer_one_tile(const SegmentTree& tree, const PlanShape& shape, const Plan
 
 Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out) {
   Status st = check_shape(shape);
+  if (st.ok()) st = check_segment_tree(tree);
   if (!st.ok()) return st;
   if (options.target_chunk < 0) return Status::Error(Code::kInvalidArgument, "target_chunk must be >= 0");
   if (options.final_lanes < 0 || options.final_lanes > shape.max_wide_final_lanes())

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string>
 
 #include "util/int_math.h"
 
@@ -242,9 +243,32 @@ Status tree_from_tables(int64_t num_rows, const int64_t* lengths, RowTable row_t
 
 }  // namespace
 
+// The trie reads keys[row][c] as the row's tokens from breaks[c] on: the breaks must be
+// increasing from 0 and hold every length, and a row's keys -1 exactly from its length on.
+Status check_breaks(int64_t num_rows, const int64_t* lengths, int64_t num_breaks, const int64_t* breaks,
+                    const int64_t* keys) {
+  auto invalid = [](const std::string& m) { return Status::Error(Code::kInvalidArgument, m); };
+  if (num_breaks < 0) return invalid("num_breaks must be >= 0, got " + std::to_string(num_breaks));
+  if (num_rows && (!num_breaks || breaks[0] != 0)) return invalid("breaks must start at 0");
+  for (int64_t c = 1; c < num_breaks; ++c)
+    if (breaks[c] <= breaks[c - 1]) return invalid("breaks must be strictly increasing, got " +
+                                                   std::to_string(breaks[c - 1]) + " then " + std::to_string(breaks[c]));
+  for (int64_t i = 0; i < num_rows; ++i) {
+    if (!std::binary_search(breaks, breaks + num_breaks, lengths[i]))
+      return invalid("breaks must hold every row length; row " + std::to_string(i) + "'s " +
+                     std::to_string(lengths[i]) + " is missing");
+    for (int64_t c = 0; c < num_breaks; ++c)
+      if ((keys[i * num_breaks + c] == -1) != (breaks[c] >= lengths[i]))
+        return invalid("keys[" + std::to_string(i) + "][" + std::to_string(c) +
+                       "] must be -1 exactly at and beyond the row's length");
+  }
+  return Status::Ok();
+}
+
 Status build_segment_tree(int64_t num_rows, const int64_t* lengths, int64_t num_breaks, const int64_t* breaks,
                           const int64_t* keys, SegmentTree* out) {
   Status st = check_lengths(num_rows, lengths);
+  if (st.ok()) st = check_breaks(num_rows, lengths, num_breaks, breaks, keys);
   if (!st.ok()) return st;
   SegmentTree tree;
   tree.lengths.assign(lengths, lengths + num_rows);
@@ -274,6 +298,79 @@ bool tree_reads_block(const SegmentTree& tree, const int64_t* tables, const int6
     if (std::find(first + tree.node_start[v] / block_size, last, block) != last) return true;
   }
   return false;
+}
+
+namespace {
+
+Status broken(const std::string& what) { return Status::Error(Code::kInvalidArgument, "invalid segment tree: " + what); }
+
+std::string at(const char* array, int64_t i) { return std::string(array) + "[" + std::to_string(i) + "]"; }
+
+Status check_nodes(const SegmentTree& t) {
+  int64_t rows = t.num_rows(), nodes = t.num_nodes();
+  for (int64_t v = 0; v < nodes; ++v) {
+    int64_t parent = t.node_parent[v];
+    if (t.node_start[v] < 0 || t.node_end[v] < t.node_start[v])
+      return broken(at("node_start", v) + ".." + at("node_end", v) + " is not a token range");
+    if (t.node_lo[v] < 0 || t.node_hi[v] < t.node_lo[v] || t.node_hi[v] > rows)
+      return broken(at("node_lo", v) + ".." + at("node_hi", v) + " is not a range of the " + std::to_string(rows) +
+                    " rows");
+    if (parent < -1 || parent >= v) return broken(at("node_parent", v) + " must be -1 or an earlier node (pre-order)");
+    if (parent < 0) {
+      if (t.node_start[v] != 0) return broken("root " + std::to_string(v) + " must start at token 0");
+      continue;
+    }
+    if (t.node_end[parent] != t.node_start[v])
+      return broken("node " + std::to_string(v) + " starts at " + std::to_string(t.node_start[v]) +
+                    ", its parent ends at " + std::to_string(t.node_end[parent]));
+    if (t.node_lo[v] < t.node_lo[parent] || t.node_hi[v] > t.node_hi[parent])
+      return broken("node " + std::to_string(v) + "'s rows are not within its parent's");
+  }
+  return Status::Ok();
+}
+
+Status check_rows(const SegmentTree& t) {
+  int64_t rows = t.num_rows(), nodes = t.num_nodes();
+  std::vector<int64_t> position(size_t(rows), -1);
+  for (int64_t k = 0; k < rows; ++k) {
+    int64_t row = t.order[k];
+    if (row < 0 || row >= rows || position[row] >= 0) return broken("order is not a permutation of the rows");
+    position[row] = k;
+  }
+  if (t.path_ptr[0] != 0 || t.path_ptr[rows] != int64_t(t.path_nodes.size()))
+    return broken("path_ptr must run from 0 to len(path_nodes)");
+  for (int64_t i = 0; i < rows; ++i) {
+    int64_t first = t.path_ptr[i], last = t.path_ptr[i + 1], end = t.end_node[i];
+    if (t.lengths[i] < 0) return broken(at("lengths", i) + " is negative");
+    if (last < first) return broken("path_ptr decreases at row " + std::to_string(i));
+    if (end < -1 || end >= nodes) return broken(at("end_node", i) + " is not a node");
+    if ((end < 0) != (last == first) || (end < 0 && t.lengths[i] != 0))
+      return broken("row " + std::to_string(i) + " has a path exactly when it has tokens");
+    for (int64_t k = first; k < last; ++k) {
+      int64_t v = t.path_nodes[k];
+      if (v < 0 || v >= nodes) return broken(at("path_nodes", k) + " is not a node");
+      if (t.node_parent[v] != (k == first ? -1 : t.path_nodes[k - 1]))
+        return broken("row " + std::to_string(i) + "'s path is not a chain from a root");
+      if (position[i] < t.node_lo[v] || position[i] >= t.node_hi[v])
+        return broken("row " + std::to_string(i) + " is on node " + std::to_string(v) + "'s path but not in its rows");
+    }
+    if (end >= 0 && (t.path_nodes[last - 1] != end || t.node_end[end] != t.lengths[i]))
+      return broken("row " + std::to_string(i) + "'s path must end at the node ending at its length");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status check_segment_tree(const SegmentTree& t) {
+  size_t rows = t.lengths.size(), nodes = t.node_start.size();
+  if (t.node_end.size() != nodes || t.node_parent.size() != nodes || t.node_lo.size() != nodes ||
+      t.node_hi.size() != nodes)
+    return broken("the node arrays must be of one length");
+  if (t.order.size() != rows || t.end_node.size() != rows || t.path_ptr.size() != rows + 1)
+    return broken("order and end_node must hold one entry per row, path_ptr one more");
+  Status st = check_nodes(t);
+  return st.ok() ? check_rows(t) : st;
 }
 
 }  // namespace flash_reasoning

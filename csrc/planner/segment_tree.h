@@ -28,6 +28,12 @@ struct SegmentTree {
   }
 };
 
+// kInvalidArgument naming the first broken invariant of `tree` (array sizes, pre-order parents
+// that end where their children start, row ranges nested in their parents', `order` a
+// permutation, each row's path from a root to the node ending at its length): the planner and
+// the kernels index by these arrays, so a tree built elsewhere is checked before it is planned.
+Status check_segment_tree(const SegmentTree& tree);
+
 // The tree of `num_rows` rows whose token t is identified by keys[row * num_breaks + c] for
 // breaks[c] <= t < breaks[c + 1] (-1 at and beyond the row's length). `breaks` is sorted,
 // holds 0 and every row length, so two rows share exactly the tokens before the first break

@@ -4,14 +4,17 @@
 #include <pybind11/stl.h>
 
 #include <array>
+#include <optional>
 
+#include "ops/paged_decode.h"
+#include "ops/tree_attention_plan.h"
+#include "planner/planner.h"
+#include "planner/segment_tree.h"
 #include "runtime/arch.h"
+#include "runtime/context.h"
 #include "runtime/driver.h"
 #include "runtime/launch_sequence.h"
 #include "runtime/launcher.h"
-#include "ops/paged_decode.h"
-#include "planner/planner.h"
-#include "planner/segment_tree.h"
 
 namespace py = pybind11;
 namespace fr = flash_reasoning;
@@ -221,21 +224,66 @@ fr::SegmentTree tree_from_python(const py::object& tree) {
   return t;
 }
 
-py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim,
-              int64_t dtype_bytes, int64_t num_sms, std::array<int64_t, 2> block_ms, int64_t wide_final_rows,
-              int64_t target_chunk,
-              double reread_weight, int separate_merge, int flat, int64_t final_lanes, int one_tile,
-              int early_final, int host_nodes) {
-  fr::PlanShape shape;
-  shape.num_qo_heads = num_qo_heads, shape.num_kv_heads = num_kv_heads, shape.head_dim = head_dim;
-  shape.dtype_bytes = dtype_bytes, shape.num_sms = num_sms, shape.block_ms = block_ms;
-  shape.wide_final_rows = wide_final_rows;
-  fr::PlanOptions options;
-  options.target_chunk = target_chunk, options.reread_weight = reread_weight;
-  options.separate_merge = separate_merge, options.flat = flat, options.final_lanes = final_lanes;
-  options.one_tile = one_tile, options.early_final = early_final, options.host_nodes = host_nodes;
-  fr::Plan p;
-  check(fr::make_plan(tree_from_python(tree), shape, options, &p));
+fr::AttentionShape shape_from(const py::dict& shape) {
+  fr::AttentionShape s;
+  s.num_qo_heads = shape["num_qo_heads"].cast<int64_t>();
+  s.num_kv_heads = shape["num_kv_heads"].cast<int64_t>();
+  s.head_dim = shape["head_dim"].cast<int64_t>();
+  s.dtype = shape["dtype"].cast<std::string>();
+  s.block_size = shape["block_size"].cast<int64_t>();
+  s.num_blocks = shape["num_blocks"].cast<int64_t>();
+  s.sm_scale = shape["sm_scale"].cast<double>();
+  return s;
+}
+
+// The planner's options by the names of Python's planner.PlanOptions: -1 (or 0 for counts)
+// where the cost model chooses.
+fr::PlanOptions options_from(const py::dict& options) {
+  fr::PlanOptions o;
+  auto get = [&](const char* name, auto* field) {
+    if (options.contains(name)) *field = options[name].cast<std::remove_pointer_t<decltype(field)>>();
+  };
+  get("target_chunk", &o.target_chunk);
+  get("separate_merge", &o.separate_merge);
+  get("flat", &o.flat);
+  get("final_lanes", &o.final_lanes);
+  get("one_tile", &o.one_tile);
+  get("early_final", &o.early_final);
+  get("host_nodes", &o.host_nodes);
+  get("slot_runs", &o.slot_runs);
+  return o;
+}
+
+py::object arg_value(const fr::Arg& a) {
+  switch (a.kind) {
+    case fr::Arg::Kind::kInt: return py::int_(a.i);
+    case fr::Arg::Kind::kUInt: return py::int_(a.u);
+    case fr::Arg::Kind::kFloat: return py::float_(a.f);
+    default: return py::none();
+  }
+}
+
+// An op's launches for Python: (kernel name, grid, args, rule key, max tokens, programs), each
+// arg (parameter name, source, value, rows, cols) with source "value" (value: the number),
+// "call" (value: the per-call pointer's index) or "workspace" (value: the byte offset).
+py::list launch_list(const fr::Context& ctx, const std::vector<fr::OpLaunch>& launches) {
+  static const char* const kSources[] = {"value", "call", "workspace"};
+  py::list out;
+  for (const fr::OpLaunch& l : launches) {
+    py::list args;
+    for (const fr::LaunchArg& a : l.launch.args) {
+      py::object value = a.source == fr::LaunchArg::Source::kValue ? arg_value(a.value) : py::int_(a.index);
+      args.append(py::make_tuple(a.name, kSources[int(a.source)], value, a.rows, a.cols));
+    }
+    const int64_t* g = l.launch.grid;
+    out.append(py::make_tuple(ctx.kernel(l.launch.kernel).name, py::make_tuple(g[0], g[1], g[2]), args, l.rule_key,
+                              l.max_tokens, l.programs));
+  }
+  return out;
+}
+
+py::dict plan_arrays(const fr::TreeAttentionPlan& plan) {
+  const fr::Plan& p = plan.plan();
   py::dict d;
   d["order"] = to_numpy(p.order);
   d["chunk_start"] = to_numpy(p.chunk_start);
@@ -249,34 +297,85 @@ py::dict plan(const py::object& tree, int64_t num_qo_heads, int64_t num_kv_heads
   d["merge_ptr"] = to_numpy(p.merge_ptr);
   d["entry_slot"] = to_numpy(p.entry_slot);
   d["common"] = to_numpy(p.common).attr("reshape")(-1, int64_t(fr::kCommonFields.size()));
-  std::vector<int32_t> work;
-  std::vector<int64_t> work_offsets;
-  fr::pack_work_lists(p, &work, &work_offsets);
-  py::array_t<int32_t> work_array = to_numpy(work);
-  d["work"] = work_array;
-  d["work_offsets"] = to_numpy(work_offsets);
   d["num_entries"] = p.num_entries;
-  d["computed_nodes"] = p.computed_nodes;
-  d["chunk_tokens"] = p.chunk_tokens;
   d["separate_merge"] = p.separate_merge;
   d["final_lanes"] = p.final_lanes;
-  d["final_block_m"] = shape.final_block_m(p.final_lanes);
+  d["final_block_m"] = plan.plan_shape().final_block_m(p.final_lanes);
   d["as_paged_decode"] = p.as_paged_decode;
   d["early_final"] = p.early_final;
   d["final_heads_first"] = p.final_heads_first;
-  d["estimated_us"] = p.estimated_us;
-  // Views of `work`: item_runs() writes the run splits where they are uploaded from.
-  py::dict items;
-  for (size_t i = 0; i < p.items.size(); ++i) {
-    int64_t at = work_offsets[fr::kFirstItems + i], size = int64_t(p.items[i].records.size());
-    items[py::int_(p.items[i].block_m)] = work_array[py::slice(at, at + size, 1)].attr("reshape")(
-        p.items[i].count(), static_cast<int64_t>(fr::kTreeItemFields.size()));
+  py::dict items, heads_first;
+  for (const fr::ItemList& list : p.items) {
+    items[py::int_(list.block_m)] =
+        to_numpy(list.records).attr("reshape")(list.count(), int64_t(fr::kTreeItemFields.size()));
+    heads_first[py::int_(list.block_m)] = list.heads_first;
   }
   d["items"] = items;
-  py::dict heads_first;
-  for (const fr::ItemList& list : p.items) heads_first[py::int_(list.block_m)] = list.heads_first;
   d["heads_first"] = heads_first;
+  py::dict stats;
+  stats["nodes"] = plan.tree().num_nodes();
+  stats["computed_nodes"] = p.computed_nodes;
+  stats["chunk_tokens"] = p.chunk_tokens;
+  stats["estimated_us"] = p.estimated_us;
+  stats["partial_chunks"] = p.chunk_start.size();
+  stats["entries"] = p.num_entries;
+  py::dict programs;
+  for (const fr::ItemList& list : p.items) programs[py::int_(list.block_m)] = list.count() * plan.plan_shape().num_kv_heads;
+  stats["partial_programs"] = programs;
+  d["stats"] = stats;
   return d;
+}
+
+using Int32Table = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+// A plan of `tree` (Python's SegmentTree) whose row i's blocks are tables[i] (None: planning
+// only); `context` None plans without kernels (the PyTorch path, planning tools).
+std::unique_ptr<fr::TreeAttentionPlan> make_tree_plan(fr::Context* context, const py::dict& shape,
+                                                      const py::object& tree, const std::optional<Int32Table>& tables,
+                                                      int64_t extra_blocks, const py::dict& options, int64_t num_sms) {
+  fr::SegmentTree t = tree_from_python(tree);
+  require(!tables || (tables->ndim() == 2 && tables->shape(0) == t.num_rows()),
+          "tables must be [num_branches, columns]");
+  std::unique_ptr<fr::TreeAttentionPlan> plan;
+  check(fr::TreeAttentionPlan::create(context, shape_from(shape), std::move(t), tables ? tables->data() : nullptr,
+                                      tables ? tables->shape(1) : 0, extra_blocks, options_from(options), &plan,
+                                      num_sms));
+  return plan;
+}
+
+py::dict regions(const fr::TreeAttentionPlan& plan) {
+  static const std::pair<const char*, fr::Region> kNames[] = {{"work", fr::Region::kWork},
+                                                             {"tables", fr::Region::kTables},
+                                                             {"lengths", fr::Region::kLengths},
+                                                             {"partial_out", fr::Region::kPartialOut},
+                                                             {"partial_lse", fr::Region::kPartialLse}};
+  py::dict d;
+  for (const auto& [name, region] : kNames) d[name] = py::make_tuple(plan.region(region).offset, plan.region(region).bytes);
+  return d;
+}
+
+py::array_t<uint8_t> image(const fr::TreeAttentionPlan& plan) { return to_numpy(plan.image()); }
+
+// Pointers as the core takes them: Python ints, converted without a sequence object.
+uint64_t address(py::handle h) {
+  unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
+  return v;
+}
+
+std::vector<uint64_t> addresses(const py::sequence& pointers, size_t count, const char* what) {
+  require(pointers.size() == count, std::string(what) + " takes " + std::to_string(count) + " pointers, got " +
+                                        std::to_string(pointers.size()));
+  std::vector<uint64_t> out;
+  for (py::handle h : pointers) out.push_back(address(h));
+  return out;
+}
+
+fr::DecodeOptions decode_options(const fr::Context& ctx, int64_t splits, const std::string& kernel) {
+  fr::DecodeOptions o;
+  o.splits = splits;
+  if (!kernel.empty()) check(ctx.find(kernel, &o.kernel));
+  return o;
 }
 
 using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -349,13 +448,6 @@ PYBIND11_MODULE(_core, m) {
         py::arg("block_size"), py::arg("rows") = py::none(), py::arg("unwritten_block") = py::none(),
         "The segment tree the C ABI reads from block tables (row i's table: tables[rows[i]], default "
         "tables[i]); None when some token lies in unwritten_block.");
-  m.def("plan", &plan, py::arg("tree"), py::arg("num_qo_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-        py::arg("dtype_bytes"), py::arg("num_sms"), py::arg("block_ms"), py::arg("wide_final_rows"),
-        py::arg("target_chunk") = 0,
-        py::arg("reread_weight") = fr::kRereadWeight, py::arg("separate_merge") = -1,
-        py::arg("flat") = -1, py::arg("final_lanes") = 0, py::arg("one_tile") = -1,
-        py::arg("early_final") = -1, py::arg("host_nodes") = -1,
-        "The tree-attention plan of a SegmentTree (a dict of arrays).");
   m.def("item_runs", &item_runs, py::arg("records"), py::arg("final_start"), py::arg("tables"), py::arg("rows"),
         py::arg("block_size"),
         "The runs of consecutive slots one launch's items lie in (1 or 2; 0: the page kernels), writing each "
@@ -454,4 +546,147 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("holes", &fr::LaunchSequence::holes)
       .def_property_readonly("num_launches", &fr::LaunchSequence::num_launches,
                              "Launches with work (those with an empty grid are dropped).");
+
+  py::class_<fr::Context>(m, "Context",
+                          "The kernels of the arch serving one device (or, host-only, of a named arch): the "
+                          "launcher, the dispatch rules and the ops that build launches from them.")
+      .def(py::init([](const py::object& artifact_root, int device) {
+             std::unique_ptr<fr::Context> c;
+             check(fr::Context::open(fspath(artifact_root), device, &c));
+             return c;
+           }),
+           py::arg("artifact_root"), py::arg("device"))
+      .def_static(
+          "open_host_only",
+          [](const py::object& artifact_root, const std::string& arch, int num_sms) {
+            std::unique_ptr<fr::Context> c;
+            check(fr::Context::open_host_only(fspath(artifact_root), arch, &c, num_sms));
+            return c;
+          },
+          py::arg("artifact_root"), py::arg("arch"), py::arg("num_sms") = int(fr::Context::kHostOnlySms),
+          "A context that plans and builds launches for `arch` on `num_sms` SMs without a GPU.")
+      .def_property_readonly("arch", &fr::Context::arch)
+      .def_property_readonly("num_sms", &fr::Context::num_sms)
+      .def_property_readonly("host_only", &fr::Context::host_only)
+      .def_property_readonly("package_version", &fr::Context::package_version)
+      .def(
+          "override_rules", [](fr::Context& c, const std::string& json) { check(c.override_rules(json)); },
+          py::arg("json"), "Replace the manifest's rule lists that `json` names (a tuning table chosen at run time).")
+      .def(
+          "pick",
+          [](const fr::Context& c, const std::string& rule, int64_t max_tokens, int64_t programs) {
+            int kernel = 0;
+            check(c.pick(rule, max_tokens, programs, &kernel));
+            return c.kernel(kernel).name;
+          },
+          py::arg("rule"), py::arg("max_tokens"), py::arg("programs") = -1,
+          "The kernel the dispatch rules pick for `rule` and a launch of `programs` programs of at most "
+          "`max_tokens` tokens each (-1: unknown).")
+      .def(
+          "paged_decode_launches",
+          [](const fr::Context& c, const py::dict& shape, int64_t num_seqs, int64_t max_blocks, bool may_split,
+             int64_t splits, const std::string& kernel) {
+            fr::DecodeLaunches d;
+            check(fr::paged_decode_launches(c, shape_from(shape), num_seqs, max_blocks, may_split,
+                                            decode_options(c, splits, kernel), &d));
+            return py::make_tuple(launch_list(c, d.launches), d.splits, d.workspace_bytes);
+          },
+          py::arg("shape"), py::arg("num_seqs"), py::arg("max_blocks"), py::arg("may_split"), py::arg("splits") = 0,
+          py::arg("kernel") = "",
+          "(launches, splits, workspace bytes) of a paged decode (launch_list's format; call pointers in "
+          "PAGED_DECODE_POINTERS order); `splits` and `kernel` force the split count and the decode kernel (tuning).")
+      .def(
+          "paged_decode",
+          [](fr::Context& c, const py::dict& shape, int64_t num_seqs, int64_t max_blocks, const py::sequence& pointers,
+             uint64_t workspace, size_t workspace_bytes, uintptr_t stream) {
+            std::vector<uint64_t> p = addresses(pointers, fr::kDecodePointers.size(), "paged_decode");
+            check(fr::paged_decode(c, shape_from(shape), num_seqs, max_blocks, p.data(), workspace, workspace_bytes,
+                                   fr::DecodeOptions(), reinterpret_cast<fr::CUstream>(stream)));
+          },
+          py::arg("shape"), py::arg("num_seqs"), py::arg("max_blocks"), py::arg("pointers"), py::arg("workspace"),
+          py::arg("workspace_bytes"), py::arg("stream"),
+          "Run a paged decode on `stream` (pointers in PAGED_DECODE_POINTERS order; workspace 0: never split).")
+      .def(
+          "paged_decode_workspace",
+          [](const fr::Context& c, const py::dict& shape, int64_t num_seqs, int64_t max_blocks) {
+            size_t bytes = 0;
+            check(fr::paged_decode_workspace(c, shape_from(shape), num_seqs, max_blocks, &bytes));
+            return bytes;
+          },
+          py::arg("shape"), py::arg("num_seqs"), py::arg("max_blocks"),
+          "Bytes of workspace a paged decode splits with (0: it would not split).")
+      .def(
+          "launch",
+          [](fr::Context& c, const std::string& name, const std::array<int64_t, 3>& grid, const py::sequence& args,
+             uintptr_t stream) { launch(c.launcher(), name, grid, args, stream); },
+          py::arg("name"), py::arg("grid"), py::arg("args"), py::arg("stream"),
+          "Launch kernel `name` with positional args (tensor maps spread, as runtime.Launch holds them): the "
+          "tuner's candidates. Asynchronous.")
+      .def(
+          "append_kv_launches",
+          [](const fr::Context& c, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim) {
+            std::vector<fr::OpLaunch> launches;
+            check(fr::append_kv_launch(c, num_tokens, num_kv_heads, head_dim, &launches));
+            return launch_list(c, launches);
+          },
+          py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"))
+      .def(
+          "append_kv",
+          [](fr::Context& c, const py::sequence& pointers, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+             uintptr_t stream) {
+            std::vector<uint64_t> p = addresses(pointers, fr::kAppendPointers.size(), "append_kv");
+            check(fr::append_kv(c, p.data(), num_tokens, num_kv_heads, head_dim, reinterpret_cast<fr::CUstream>(stream)));
+          },
+          py::arg("pointers"), py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("stream"),
+          "Write K/V rows into pool slots on `stream` (pointers in APPEND_KV_POINTERS order).");
+  m.attr("HOST_ONLY_SMS") = int(fr::Context::kHostOnlySms);
+  m.attr("PLAN_POINTERS") = py::cast(std::vector<std::string>(fr::kPlanPointers.begin(), fr::kPlanPointers.end()));
+  m.attr("PAGED_DECODE_POINTERS") =
+      py::cast(std::vector<std::string>(fr::kDecodePointers.begin(), fr::kDecodePointers.end()));
+  m.attr("APPEND_KV_POINTERS") =
+      py::cast(std::vector<std::string>(fr::kAppendPointers.begin(), fr::kAppendPointers.end()));
+
+  py::class_<fr::TreeAttentionPlan>(m, "TreePlan",
+                                    "tree_attention's plan as the C++ core builds it for both front ends: the "
+                                    "planner's lists, the launches, the workspace layout and its image.")
+      .def(py::init(&make_tree_plan), py::arg("context"), py::arg("shape"), py::arg("tree"), py::arg("tables"),
+           py::arg("extra_blocks"), py::arg("options"), py::arg("num_sms") = 0, py::keep_alive<1, 2>(),
+           "Plan `tree` (a SegmentTree) over `tables` (int32 [num_branches, columns]); `context` None plans "
+           "without kernels. `shape`: num_qo_heads, num_kv_heads, head_dim, dtype, block_size, num_blocks, "
+           "sm_scale; `options`: planner.PlanOptions' fields as ints; `num_sms` 0: the context's.")
+      .def_property_readonly("arrays", &plan_arrays, "The plan's lists (planner.PlanArrays' fields).")
+      .def_property_readonly(
+          "launches",
+          [](const fr::TreeAttentionPlan& p) {
+            return p.context() ? launch_list(*p.context(), p.launches()) : py::list();
+          },
+          "(kernel name, grid, args, rule key, max tokens, programs) of each launch; args as "
+          "(name, 'value' | 'call' | 'workspace', value, rows, cols).")
+      .def_property_readonly(
+          "slot_runs",
+          [](const fr::TreeAttentionPlan& p) {
+            py::dict d;
+            for (size_t i = 0; i < p.plan().items.size(); ++i)
+              d[py::int_(p.plan().items[i].block_m)] = p.slot_runs()[i];
+            return d;
+          },
+          "Per row tile: the runs of consecutive slots its partial launch reads each item as (0: the pages).")
+      .def_property_readonly("max_blocks", &fr::TreeAttentionPlan::max_blocks)
+      .def_property_readonly("workspace_bytes", &fr::TreeAttentionPlan::workspace_bytes)
+      .def_property_readonly("regions", &regions, "(byte offset, bytes) of each workspace region by name.")
+      .def("image", &image, "The workspace's first bytes as the launches expect them (work lists, tables, lengths).")
+      .def(
+          "bind", [](fr::TreeAttentionPlan& p, uint64_t workspace) { check(p.bind(workspace)); }, py::arg("workspace"),
+          "Prepare the launches against the device workspace (holding image()).")
+      .def(
+          "run",
+          [](const fr::TreeAttentionPlan& p, uint64_t q, uint64_t k_pool, uint64_t v_pool, uint64_t out,
+             uintptr_t stream) {
+            check(p.run(reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k_pool),
+                        reinterpret_cast<const void*>(v_pool), reinterpret_cast<void*>(out),
+                        reinterpret_cast<fr::CUstream>(stream)));
+          },
+          py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("out"), py::arg("stream"),
+          "Launch the plan with this call's pointers on `stream`. Asynchronous; allocates nothing.");
 }
+

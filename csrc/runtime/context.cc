@@ -4,7 +4,6 @@
 
 #include "runtime/arch.h"
 #include "util/file_util.h"
-#include "planner/planner.h"
 #include "util/version.h"
 
 namespace flash_reasoning {
@@ -18,8 +17,6 @@ Status check_pointers(std::initializer_list<std::pair<const char*, const void*>>
 }
 
 namespace {
-
-constexpr int kHostOnlySms = 132;  // an H100's: plans made without a device look like its plans
 
 Status check_version(const Manifest& m) {
   if (m.package_version == kPackageVersion) return Status::Ok();
@@ -59,8 +56,9 @@ Status Context::open(const std::string& artifact_root, int device, std::unique_p
 }
 
 Status Context::open_host_only(const std::string& artifact_root, const std::string& arch,
-                               std::unique_ptr<Context>* out) {
-  return load(artifact_root, arch, -1, kHostOnlySms, out);
+                               std::unique_ptr<Context>* out, int num_sms) {
+  if (num_sms < 1) return Status::Error(Code::kInvalidArgument, "num_sms must be >= 1, got " + std::to_string(num_sms));
+  return load(artifact_root, arch, -1, num_sms, out);
 }
 
 Status Context::require_device(const char* what) const {
@@ -69,44 +67,41 @@ Status Context::require_device(const char* what) const {
                        std::string(what) + " needs a GPU: this context was created host-only (for planning)");
 }
 
-std::string Context::addressing_rule_key(const std::string& rule_key, int64_t block_size, int runs) const {
-  static const char* const kRunSuffixes[] = {"", "/one_run", "/two_runs"};
-  static_assert(sizeof(kRunSuffixes) / sizeof(kRunSuffixes[0]) == kMaxItemRuns + 1, "a suffix per run count");
-  if (runs > 0 && runs <= kMaxItemRuns) {
-    std::string run = rule_key + kRunSuffixes[runs];
-    if (rules().rules.count(run)) return run;
-  }
-  std::string paged = rule_key + "/page" + std::to_string(block_size);
-  return rules().rules.count(paged) ? paged : rule_key;
-}
-
 Status Context::pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const {
   Status st = rules().pick(rule_key, max_tokens, programs, num_sms(), kernel);
   if (st.code == Code::kNotFound) st.code = Code::kUnsupported;
   return st;
 }
 
-Status Context::launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
-                       CUstream stream, bool after_own_launch) {
-  const KernelInfo& k = this->kernel(kernel);
-  Arg values[kMaxKernelParams];
-  size_t i = 0;
-  for (const NamedArg& a : args) {
-    if (i >= k.params.size() || k.params[i].name != a.name)
-      return Status::Error(Code::kInvalidManifest,
-                           "kernel '" + k.name + "' parameter " + std::to_string(i) + " is '" +
-                               (i < k.params.size() ? k.params[i].name : std::string("(none)")) +
-                               "', the library passes '" + a.name + "': artifacts and library differ");
-    values[i++] = a.value;
-    if (k.params[i - 1].packed.kind != ParamKind::kTensorMap) continue;
-    if (a.rows <= 0)  // the manifest put the view's fields after the map
-      return Status::Error(Code::kInvalidManifest, "kernel '" + k.name + "' reads '" + a.name +
-                                                       "' through a TMA descriptor, but the library passes no view "
-                                                       "of it: artifacts and library differ");
-    for (int64_t field : {a.rows, a.cols, a.cols, int64_t(1)}) values[i++] = Arg::Int(field);
+Status Context::override_rules(const std::string& json) {
+  DispatchTable rules;
+  Status st = parse_dispatch_rules(json, launcher_->manifest().kernels, &rules);
+  if (!st.ok()) return st;
+  DispatchTable merged = launcher_->manifest().dispatch;
+  for (auto& [key, list] : rules.rules) merged.rules[key] = std::move(list);
+  for (const auto& [name, value] : rules.constants) merged.constants[name] = value;
+  launcher_->replace_rules(std::move(merged));
+  return Status::Ok();
+}
+
+Status Context::prepare(const std::vector<KernelLaunch>& launches, std::vector<std::string> holes, uint64_t workspace,
+                        std::unique_ptr<LaunchSequence>* out) {
+  std::vector<SequenceLaunch> bound(launches.size());
+  for (size_t i = 0; i < launches.size(); ++i) {
+    if (launches[i].kernel < 0 || size_t(launches[i].kernel) >= launcher_->manifest().kernels.size())
+      return Status::Error(Code::kNotFound, "kernel index " + std::to_string(launches[i].kernel) + " out of range");
+    Status st = bind_launch(kernel(launches[i].kernel), launches[i], workspace, &bound[i]);
+    if (!st.ok()) return st;
   }
-  const int64_t grid[3] = {gx, gy, gz};
-  return launcher_->launch(kernel, grid, values, i, stream, after_own_launch);
+  return LaunchSequence::prepare(launcher_.get(), bound, std::move(holes), out);
+}
+
+Status Context::run(const std::vector<KernelLaunch>& launches, std::vector<std::string> holes, const uint64_t* pointers,
+                    uint64_t workspace, CUstream stream) {
+  std::unique_ptr<LaunchSequence> sequence;
+  size_t count = holes.size();
+  Status st = prepare(launches, std::move(holes), workspace, &sequence);
+  return st.ok() ? sequence->run(pointers, count, stream) : st;
 }
 
 Status Context::driver(const Driver** d) {

@@ -9,24 +9,14 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "runtime/driver.h"
+#include "runtime/launch_sequence.h"
 #include "runtime/launcher.h"
 #include "util/status.h"
 
 namespace flash_reasoning {
-
-// One launch argument with the parameter name it must bind to: a launch checks each name
-// against the manifest, so kernels and the C++ callers cannot drift apart silently.
-struct NamedArg {
-  const char* name;
-  Arg value;
-  // A pool: its row-major 2-D view [rows, cols], for a kernel that reads it through a TMA
-  // descriptor (a kTensorMap parameter, followed by the view's fields); ignored otherwise.
-  int64_t rows = 0, cols = 0;
-};
-
-inline Arg pointer_arg(const void* p) { return Arg::UInt(reinterpret_cast<uintptr_t>(p)); }
 
 // kInvalidArgument naming the first of `pointers` that is NULL or not kPointerAlign-aligned.
 Status check_pointers(std::initializer_list<std::pair<const char*, const void*>> pointers);
@@ -35,9 +25,10 @@ class Context {
  public:
   // The arch folder under `artifact_root` serving `device`.
   static Status open(const std::string& artifact_root, int device, std::unique_ptr<Context>* out);
-  // `arch` (e.g. "sm90") under `artifact_root`, with no driver; num_sms is assumed 132.
+  // `arch` (e.g. "sm90") under `artifact_root`, with no driver, planning for `num_sms` SMs.
   static Status open_host_only(const std::string& artifact_root, const std::string& arch,
-                               std::unique_ptr<Context>* out);
+                               std::unique_ptr<Context>* out, int num_sms = kHostOnlySms);
+  static constexpr int kHostOnlySms = 132;  // an H100's: plans made without a device look like its plans
 
   const std::string& arch() const { return launcher_->manifest().arch; }
   const DispatchTable& rules() const { return launcher_->manifest().dispatch; }
@@ -49,16 +40,22 @@ class Context {
   // The kernel the rules pick for `rule_key` and a launch of `programs` programs on this
   // device, each walking at most `max_tokens` tokens (-1: unknown, served as many and long).
   Status pick(const std::string& rule_key, int64_t max_tokens, int64_t programs, int* kernel) const;
-  // The attention rule list for `block_size`-token pages: "<rule_key>/page<N>" where the
-  // manifest compiles that page size as a constant, else `rule_key` (the page size at run time);
-  // for a launch whose items lie in `runs` runs of consecutive slots at most (planner.h's
-  // item_runs; 0: take the pages), "<rule_key>/one_run" (one run) or "<rule_key>/two_runs"
-  // where the manifest has it (dispatch.rule_key names them the same way).
-  std::string addressing_rule_key(const std::string& rule_key, int64_t block_size, int runs = 0) const;
   const KernelInfo& kernel(int index) const { return launcher_->manifest().kernels[index]; }
-  // after_own_launch: the previous launch on `stream` was the library's (Launcher::launch).
-  Status launch(int kernel, int64_t gx, int64_t gy, int64_t gz, std::initializer_list<NamedArg> args,
-                CUstream stream, bool after_own_launch = false);
+  Launcher& launcher() { return *launcher_; }
+  Status find(const std::string& name, int* index) const { return launcher_->find(name, index); }
+  const std::string& package_version() const { return launcher_->manifest().package_version; }
+  // Replaces the manifest's rule lists (and constants) that `json` names (the manifest's
+  // "dispatch" format; every kernel named must be in the manifest): a tuning table chosen at
+  // run time.
+  Status override_rules(const std::string& json);
+
+  // `launches` checked and packed once (bind_launch, LaunchSequence::prepare), their workspace
+  // arguments at `workspace`; each run passes one pointer per name in `holes`.
+  Status prepare(const std::vector<KernelLaunch>& launches, std::vector<std::string> holes, uint64_t workspace,
+                 std::unique_ptr<LaunchSequence>* out);
+  // `launches` prepared and run once, with `pointers` for `holes`.
+  Status run(const std::vector<KernelLaunch>& launches, std::vector<std::string> holes, const uint64_t* pointers,
+             uint64_t workspace, CUstream stream);
 
   Status alloc(size_t bytes, CUdeviceptr* out);
   Status free(CUdeviceptr ptr);

@@ -18,7 +18,52 @@ std::string describe_param(const KernelInfo& k, size_t i) {
 
 Status invalid(const std::string& message) { return Status::Error(Code::kInvalidArgument, message); }
 
+Status mismatch(const KernelInfo& k, size_t i, const char* passed, const char* why) {
+  return Status::Error(Code::kInvalidManifest, "kernel '" + k.name + "' parameter " + std::to_string(i) + " is '" +
+                                                   (i < k.params.size() ? k.params[i].name : std::string("(none)")) +
+                                                   "', the library passes '" + passed + "'" + why +
+                                                   ": artifacts and library differ");
+}
+
 }  // namespace
+
+LaunchArg LaunchArg::Value(const char* name, Arg value) {
+  LaunchArg a;
+  a.name = name, a.value = value;
+  return a;
+}
+
+LaunchArg LaunchArg::Call(const char* name, int64_t index, int64_t rows, int64_t cols) {
+  LaunchArg a;
+  a.name = name, a.source = Source::kCall, a.index = index, a.rows = rows, a.cols = cols;
+  return a;
+}
+
+LaunchArg LaunchArg::Workspace(const char* name, int64_t offset) {
+  LaunchArg a;
+  a.name = name, a.source = Source::kWorkspace, a.index = offset;
+  return a;
+}
+
+Status bind_launch(const KernelInfo& k, const KernelLaunch& launch, uint64_t workspace, SequenceLaunch* out) {
+  out->kernel = launch.kernel;
+  std::copy(launch.grid, launch.grid + 3, out->grid);
+  out->args.clear();
+  for (const LaunchArg& a : launch.args) {
+    size_t i = out->args.size();
+    if (i >= k.params.size() || k.params[i].name != a.name) return mismatch(k, i, a.name, "");
+    if (a.source == LaunchArg::Source::kCall)
+      out->args.push_back(SequenceArg::Hole(int(a.index)));
+    else if (a.source == LaunchArg::Source::kWorkspace)
+      out->args.push_back(SequenceArg::Value(Arg::UInt(workspace + uint64_t(a.index))));
+    else
+      out->args.push_back(SequenceArg::Value(a.value));
+    if (k.params[i].packed.kind != ParamKind::kTensorMap) continue;
+    if (a.rows <= 0) return mismatch(k, i, a.name, " with no view for its TMA descriptor");
+    for (int64_t field : {a.rows, a.cols, a.cols, int64_t(1)}) out->args.push_back(SequenceArg::Value(Arg::Int(field)));
+  }
+  return Status::Ok();
+}
 
 Status LaunchSequence::prepare(Launcher* launcher, const std::vector<SequenceLaunch>& launches,
                                std::vector<std::string> holes, std::unique_ptr<LaunchSequence>* out) {

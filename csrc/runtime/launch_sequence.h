@@ -35,6 +35,36 @@ struct SequenceLaunch {
   std::vector<SequenceArg> args;
 };
 
+// An argument of a KernelLaunch, bound to its kernel parameter by name (bind_launch checks the
+// name against the manifest, so kernels and the C++ code that launches them cannot drift apart
+// silently): a value fixed when the launch is made, one of the pointers each run passes, or an
+// offset into the workspace the launches are bound to.
+struct LaunchArg {
+  enum class Source : uint8_t { kValue, kCall, kWorkspace };
+  const char* name = "";
+  Source source = Source::kValue;
+  Arg value = Arg::Int(0);
+  int64_t index = 0;           // kCall: the per-run pointer's index; kWorkspace: the byte offset
+  int64_t rows = 0, cols = 0;  // a pool a kernel may read through a TMA descriptor: its 2-D view
+
+  static LaunchArg Value(const char* name, Arg value);
+  static LaunchArg Call(const char* name, int64_t index, int64_t rows = 0, int64_t cols = 0);
+  static LaunchArg Workspace(const char* name, int64_t offset);
+};
+
+// A launch as the ops build it: the kernel, its grid and its arguments by name.
+struct KernelLaunch {
+  int kernel = -1;  // Launcher index
+  int64_t grid[3] = {0, 0, 0};
+  std::vector<LaunchArg> args;
+};
+
+// `launch` as LaunchSequence takes it: each argument checked against parameter k.params[i] by
+// name (kInvalidManifest where they differ: artifacts and library disagree), each kWorkspace
+// offset added to `workspace`, each kCall a hole, and each pool the kernel reads through a TMA
+// descriptor followed by its view's fields (the manifest's parameters after the map).
+Status bind_launch(const KernelInfo& k, const KernelLaunch& launch, uint64_t workspace, SequenceLaunch* out);
+
 class LaunchSequence {
  public:
   // Makes every check Launcher::launch makes (kernel, argument count and types, grid) and also:

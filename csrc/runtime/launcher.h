@@ -46,6 +46,8 @@ class Launcher {
   Launcher& operator=(const Launcher&) = delete;
 
   const Manifest& manifest() const { return manifest_; }
+  // Replaces the manifest's dispatch rules (Context::replace_rules); before any launch.
+  void replace_rules(DispatchTable rules) { manifest_.dispatch = std::move(rules); }
 
   // Index of kernel `name`; kNotFound names it and lists a few known kernels.
   Status find(const std::string& name, int* index) const;

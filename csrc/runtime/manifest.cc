@@ -203,10 +203,8 @@ Status parse_rules(const Validator& v, const JsonValue& list, const std::string&
   return Status::Ok();
 }
 
-Status parse_dispatch(const Validator& v, const JsonValue& root, const std::vector<KernelInfo>& kernels,
-                      DispatchTable* out) {
-  const JsonValue* dispatch = root.find("dispatch");
-  if (!dispatch) return Status::Ok();
+Status parse_dispatch_section(const Validator& v, const JsonValue* dispatch, const std::vector<KernelInfo>& kernels,
+                              DispatchTable* out) {
   const JsonValue* rules = dispatch->find("rules");
   const JsonValue* constants = dispatch->find("constants");
   if (!rules || !rules->is_object() || !constants || !constants->is_object())
@@ -227,7 +225,24 @@ Status parse_dispatch(const Validator& v, const JsonValue& root, const std::vect
   return Status::Ok();
 }
 
+Status parse_dispatch(const Validator& v, const JsonValue& root, const std::vector<KernelInfo>& kernels,
+                      DispatchTable* out) {
+  const JsonValue* dispatch = root.find("dispatch");
+  return dispatch ? parse_dispatch_section(v, dispatch, kernels, out) : Status::Ok();
+}
+
 }  // namespace
+
+Status parse_dispatch_rules(const std::string& json, const std::vector<KernelInfo>& kernels, DispatchTable* out) {
+  JsonValue root;
+  Status st = parse_json(json, &root);
+  if (!st.ok()) return Status::Error(Code::kInvalidArgument, "invalid dispatch rules: " + st.message);
+  if (!root.is_object()) return Status::Error(Code::kInvalidArgument, "dispatch rules must be a JSON object");
+  DispatchTable rules;
+  if (!(st = parse_dispatch_section(Validator("dispatch rules"), &root, kernels, &rules)).ok()) return st;
+  *out = std::move(rules);
+  return Status::Ok();
+}
 
 bool DispatchRule::serves(int64_t max_tokens, int64_t programs, int64_t num_sms) const {
   bool few_enough = max_programs_per_sm < 0 ||

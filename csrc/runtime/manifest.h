@@ -94,6 +94,10 @@ constexpr int kMaxKernelParams = 128;
 // Maps a manifest type string to its packing; false for unsupported types.
 bool parse_param_type(const std::string& type, ParamType* out);
 
+// A dispatch table from JSON text in the manifest's "dispatch" format ({"rules": ..., "constants":
+// ...}), every kernel it names one of `kernels`: a tuning table chosen at run time.
+Status parse_dispatch_rules(const std::string& json, const std::vector<KernelInfo>& kernels, DispatchTable* out);
+
 // Reads and validates <arch_dir>/manifest.json. Errors name the file and the field.
 Status load_manifest(const std::string& arch_dir, Manifest* out);
 

@@ -160,9 +160,11 @@ def rule_key(kernel: str, dtype: str, head_dim: int, block_m: int | None = None,
 
 
 def parse_rule_key(key: str) -> tuple[str, str, int, int | None, int]:
-    """(kernel, dtype, head_dim, block_m, slot_runs) of a key :func:`rule_key` made for page
-    size 0 (a tuning table's): its inverse."""
+    """(kernel, dtype, head_dim, block_m, slot_runs) of a key :func:`rule_key` made (a
+    compiled page size's ``/page<N>`` dropped: it picks by its page-size-free list's rules)."""
     kernel, dtype, head_dim, *rest = key.split("/")
+    if rest and rest[-1].startswith("page"):
+        rest.pop()
     runs = {suffix: r for r, suffix in SLOT_RUN_RULE_SUFFIXES.items()}
     slot_runs = runs[rest.pop()] if rest and rest[-1] in runs else 0
     return kernel, dtype, int(head_dim), int(rest[0]) if rest else None, slot_runs
@@ -465,10 +467,17 @@ def split_reason(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms
     return f"too short to split (< 2 x {MIN_TOKENS_PER_SPLIT} tokens)"
 
 
-def dispatch_rules(arch: str) -> dict:
+def dispatch_rules(arch: str, only: dict | None = None) -> dict:
     """The rules as data, for the manifest: a C caller of ``libflash_reasoning`` picks by them
     the kernels these functions pick (``[[max_programs_per_sm, max_tokens, kernel name], ...]``
-    by key, ``None`` for any, simplified where rules name the same kernel)."""
+    by key, ``None`` for any, simplified where rules name the same kernel). ``only``: the
+    lists of a tuning table's keys (each with its compiled page sizes' and slot runs'), no
+    constants: what a table chosen at run time replaces in the manifest's rules."""
+    if only is not None:
+        wanted = {parse_rule_key(key)[:4] for key in only}
+        rules_out = {key: rule_list for key, rule_list in dispatch_rules(arch)["rules"].items()
+                     if key.count("/") >= 2 and parse_rule_key(key)[:4] in wanted}
+        return {"rules": rules_out, "constants": {}}
     rules_out = {"append_kv": [[None, None, append_spec().name]]}
     for dtype in DTYPES:
         for hd in HEAD_DIMS:

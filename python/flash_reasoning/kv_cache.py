@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, runtime
+from . import _core, runtime
 from .ops.checks import check_compiled
 from .runtime import Launch
 
@@ -27,8 +27,8 @@ def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     if slots.numel() == 0:
         return
     if k_pool.is_cuda:
-        runtime.run([append_launch(k_pool, v_pool, slots.to(torch.int64), _kernel_ready(k),
-                                   _kernel_ready(v))], k_pool.device)
+        _append_on_device(k_pool, v_pool, slots.to(torch.int64), _kernel_ready(k),
+                          _kernel_ready(v))
         return
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     index = slots.to(torch.long)
@@ -36,11 +36,21 @@ def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     v_pool.view(-1, num_kv_heads, head_dim)[index] = v
 
 
-def append_launch(k_pool, v_pool, slots, k, v) -> Launch:
-    """The ``append_kv`` launch: one program per (token, chunk of its K/V row)."""
-    row_elems = k_pool.shape[2] * k_pool.shape[3]
-    grid = (slots.numel(), -(-row_elems // dispatch.APPEND_BLOCK), 1)
-    return Launch(dispatch.append_spec(), grid, (k_pool, v_pool, slots, k, v, row_elems))
+def _append_on_device(k_pool, v_pool, slots, k, v) -> None:
+    """The C++ core's append_kv launch on torch's current stream."""
+    index = k_pool.device.index
+    runtime.context(index).append_kv(
+        tuple(t.data_ptr() for t in (k_pool, v_pool, slots, k, v)), slots.numel(),
+        k_pool.shape[2], k_pool.shape[3], runtime.current_raw_stream(index))
+
+
+def append_launches(k_pool, v_pool, slots, k, v, arch: str) -> list[Launch]:
+    """The ``append_kv`` launch the C++ core builds for ``arch`` (one program per token and
+    chunk of its K/V row), over these tensors: for Triton's interpreter."""
+    listed = runtime.host_context(arch, _core.HOST_ONLY_SMS).append_kv_launches(
+        slots.numel(), k_pool.shape[2], k_pool.shape[3])
+    pointers = dict(zip(_core.APPEND_KV_POINTERS, (k_pool, v_pool, slots, k, v)))
+    return runtime.core_launches(listed, arch, pointers, None)
 
 
 def copy_blocks(pools: list[torch.Tensor], src_blocks: torch.Tensor,

@@ -46,22 +46,29 @@ def enabled() -> bool:
     return logger.isEnabledFor(logging.DEBUG)
 
 
-def config_chosen(kernel: str, config: tuple[int, int, int], dtype: str, arch: str | None,
-                  head_dim: int, max_tokens: int | None, block_m: int | None = None,
-                  given: bool = False, programs: int | None = None,
-                  num_sms: int | None = None, slot_runs: int = 0) -> None:
-    """One debug record: ``kernel``'s (BLOCK_N, warps, stages) ``config`` for a launch of
-    ``programs`` programs on ``num_sms`` SMs, each of at most ``max_tokens`` tokens, and which
-    rule gave it (``dispatch.config_reason``)."""
-    block_n, warps, stages = config
+def kernel_picked(kernel_name: str, rule_key: str, max_tokens: int, programs: int,
+                  num_sms: int, arch: str, given: bool = False) -> None:
+    """One debug record: the kernel the C++ core's dispatch picked from rule list
+    ``rule_key`` for a launch of ``programs`` programs on ``num_sms`` SMs, each of at most
+    ``max_tokens`` tokens, its (BLOCK_N, warps, stages), and which rule gave it
+    (``dispatch.config_reason``)."""
+    from . import runtime
+    spec = runtime.spec_of(arch, kernel_name)
+    constexprs = dict(spec.constexprs)
+    kernel, dtype, head_dim, block_m, slot_runs = dispatch.parse_rule_key(rule_key)
     inputs = f"{dtype}, head_dim={head_dim}, max_tokens={max_tokens}, programs={programs}, " \
              f"num_sms={num_sms}"
     inputs += f", block_m={block_m}" if block_m is not None else ""
     inputs += f", slot_runs={slot_runs}" if slot_runs else ""
-    reason = "given by the caller" if given else dispatch.config_reason(
-        kernel, dtype, head_dim, arch, max_tokens, block_m, programs, num_sms, slot_runs)
+    if given:
+        reason = "given by the caller"
+    elif kernel in dispatch.RULE_LIST_SPECS:
+        reason = dispatch.config_reason(kernel, dtype, head_dim, arch, max_tokens, block_m,
+                                        programs, num_sms, slot_runs)
+    else:
+        reason = "its one config"
     logger.debug("%s (%s): %s -> BLOCK_N %d, %d warps, %d stages (%s)", kernel, arch, inputs,
-                 block_n, warps, stages, reason)
+                 constexprs.get("BLOCK_N", 0), spec.num_warps, spec.num_stages, reason)
 
 
 def splits_chosen(num_seqs: int, programs_per_seq: int, capacity: int, num_sms: int,

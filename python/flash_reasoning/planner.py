@@ -1,7 +1,7 @@
 """The tree-attention planner: from a segment tree to what each kernel program computes.
 
-Every node of the :class:`~flash_reasoning.tools.trees.SegmentTree` is either *computed* once for all
-the branches below it (its KV read once, one fp32 partial per branch written and merged later)
+Every node of the :class:`~flash_reasoning.segment_tree.SegmentTree` is either *computed* once
+for all the branches below it (its KV read once, one fp32 partial per branch written and merged later)
 or *folded* into its consumers (its children and the branches ending at it), which then read
 its tokens as part of their own range. The cost model folds a node when re-reading its KV costs
 less than the partials it would write; an exclusive leaf always folds into its branch.
@@ -12,15 +12,15 @@ its path and writes the output. Long ranges (computed nodes and final ranges) ar
 chunks so the grid fills the GPU; every chunk but a final range's last one becomes a partial
 work item, tiled over its (branch, query head) rows. A final-kernel program walks its range's
 KV tiles, then folds its branch's partials one after another; a plan where some program's walk
-is ``SEPARATE_MERGE_STEPS`` long, and whose final launch is too small to fill the GPU,
+is ``kSeparateMergeSteps`` long, and whose final launch is too small to fill the GPU,
 *merges separately* instead: every chunk of every final range
 is a partial item (the last one *open*: it reads to its branch's length at run time), and a
 merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
 runs. A plan with no partials at all (nothing computed, nothing split) is a paged decode and
 runs ``paged_decode``'s kernel. Where the GQA group leaves rows of the final kernel's tile
 free, one final program serves ``final_lanes`` branches (1, or a power of two from 4, while one
-program per SM remains; beside a lone root of one program per SM, until every packed program fits two per
-SM beside it, in the wide final tile's rows where the root is estimated to outlast the final
+program per SM remains; beside a lone root of one program per SM, until every packed program
+fits two per SM beside it, in the wide final tile's rows where the root is estimated to outlast the final
 launch) and walks their final ranges side by side. The final (or merge) launch starts
 while the last partial launch runs: a final kernel at its programs' start (``early_final``:
 it walks its own ranges before it waits for the partials), a merge kernel after their walks
@@ -37,24 +37,20 @@ the program walks that *shared range* once as a dense tile of all its rows, then
 rest (``common``): a flat plan of a deep tree of short nodes then reads each node about once
 per program, not once per branch.
 
-The planner itself is C++ (``csrc/core/planner.cc``), shared with the C ABI so that a C++
-runtime plans exactly as Python does; this module describes its input and output.
+The planner itself is C++ (``csrc/planner/planner.cc``), and so is the plan that lists a
+tree's launches (``csrc/ops/tree_attention_plan.cc``): both front ends, Python's
+``TreeAttentionPlan`` and the C ABI, plan and launch through the same code. This module
+describes the planner's input and output, and plans without kernels (tests, tools).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from . import _core, dispatch
+from . import _core
+from .ops.checks import as_int
 from .segment_tree import SegmentTree
-
-#: The cost model's weight (csrc/core/planner.h, with its chunking constants): re-read KV of
-#: a folded node costs this fraction of an HBM byte (most re-reads hit L2).
-REREAD_WEIGHT = _core.REREAD_WEIGHT
-#: Serial steps (KV tiles + partials) of a final-kernel program from which a plan merges
-#: separately (csrc/core/planner.h).
-SEPARATE_MERGE_STEPS = _core.SEPARATE_MERGE_STEPS
 
 
 @dataclass(frozen=True)
@@ -67,6 +63,51 @@ class Shape:
     num_sms: int
 
 
+#: PlanOptions' choices that are yes, no or the cost model's (None).
+_TRISTATE = ("separate_merge", "flat", "one_tile", "early_final", "host_nodes", "slot_runs")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The planner's choices forced, for tests, the tuner and comparisons (not the public
+    API): the fields of ``PlanOptions`` in csrc/planner/planner.h, ``None`` leaving each to the
+    cost model. ``target_chunk``: tokens per chunk; ``separate_merge``; ``flat`` (every node
+    folded; ``False`` keeps the cost model's folds); ``final_lanes`` (1 to the wide final
+    tile's rows over the GQA group); ``one_tile`` (every item in the wide tile, or each in its
+    own); ``early_final`` (the last launch starts at the partial launch's start); ``host_nodes``
+    (``False``: every computed node has items of its own); ``slot_runs`` (``False``: the page
+    kernels only). ``arch`` and ``num_sms`` plan a CPU allocator's launches for that arch and SM
+    count (the interpreter), or a GPU plan for another SM count."""
+    target_chunk: int | None = None
+    separate_merge: bool | None = None
+    flat: bool | None = None
+    final_lanes: int | None = None
+    one_tile: bool | None = None
+    early_final: bool | None = None
+    host_nodes: bool | None = None
+    slot_runs: bool | None = None
+    arch: str | None = None
+    num_sms: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in _TRISTATE:
+            value = getattr(self, name)
+            if value is not None and type(value) is not bool:
+                raise TypeError(f"{name} must be True, False or None, got {value!r}")
+        for name in ("target_chunk", "final_lanes", "num_sms"):
+            if getattr(self, name) is not None:
+                as_int(name, getattr(self, name), low=1)
+        if self.arch is not None and not isinstance(self.arch, str):
+            raise TypeError(f"arch must be an arch name like 'sm90' or None, got {self.arch!r}")
+
+    def core(self) -> dict[str, int]:
+        """The C++ options: -1 where the cost model chooses, 0 for an unforced count."""
+        forced = {name: -1 if getattr(self, name) is None else int(getattr(self, name))
+                  for name in _TRISTATE}
+        return {**forced, "target_chunk": self.target_chunk or 0,
+                "final_lanes": self.final_lanes or 0}
+
+
 @dataclass
 class PlanArrays:
     """A plan on the host. Chunk ``c`` covers tokens ``[chunk_start[c], chunk_end[c])`` read
@@ -74,7 +115,7 @@ class PlanArrays:
     ``order[chunk_row_ptr[c]:chunk_row_ptr[c] + chunk_rows[c]]``, whose partials are entries
     ``chunk_entry0[c] + j``, stored in partial slot ``entry_slot[entry]``; an open chunk
     (``chunk_open[c]``) ends at its row's length at run time. ``items[block_m]`` are the int32
-    records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``; views of ``work``). Branch (row)
+    records of ``tree_partial`` (fields ``TREE_ITEM_FIELDS``, run splits written). Branch (row)
     ``b``'s final range is ``[final_start[b], its length)``; it merges the partial slots
     ``merge_ptr[b]:merge_ptr[b + 1]`` (each branch's slots are contiguous). With
     ``separate_merge`` the final ranges are chunks too and no final kernel runs; else each
@@ -87,15 +128,14 @@ class PlanArrays:
     ``final_start`` moved to its end (an empty range where start == end); ``heads_first``, per
     row tile: its partial launch's grid is (KV heads, items), so that each item's heads run
     together, not (items, KV heads), where its items' planned lengths differ
-    (``heads_first_order`` in csrc/core/planner.h); ``final_heads_first``: the final launch's
+    (``heads_first_order`` in csrc/planner/planner.h); ``final_heads_first``: the final launch's
     grid is (head tiles, programs), each program's KV heads together (``final_heads_first``
     there); ``early_final``: each partial launch lets the launch after it start at its
     programs' start, not after their walks. ``as_paged_decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
-    tables (``runs_as_paged_decode`` in csrc/core/planner.h says why). ``work``
-    holds order, final_start, merge_ptr, entry_slot and each tile's items packed for one
-    upload (common after entry_slot), list ``i`` from ``work_offsets[i]``."""
+    tables (``runs_as_paged_decode`` in csrc/planner/planner.h says why). ``stats``: node
+    and computed-node counts, the chunk length, the cost model's estimate, partial programs."""
     order: np.ndarray
     chunk_start: np.ndarray
     chunk_end: np.ndarray
@@ -110,8 +150,6 @@ class PlanArrays:
     entry_slot: np.ndarray
     common: np.ndarray
     num_entries: int
-    work: np.ndarray
-    work_offsets: np.ndarray
     separate_merge: bool
     final_lanes: int
     final_block_m: int
@@ -119,7 +157,7 @@ class PlanArrays:
     final_heads_first: bool
     early_final: bool
     as_paged_decode: bool
-    stats: dict = field(default_factory=dict)
+    stats: dict
 
     @property
     def has_common(self) -> bool:
@@ -137,56 +175,18 @@ class PlanArrays:
         return starts
 
 
-def plan(tree: SegmentTree, shape: Shape, target_chunk: int | None = None,
-         reread_weight: float = REREAD_WEIGHT, separate_merge: bool | None = None,
-         flat: bool | None = None, final_lanes: int | None = None,
-         one_tile: bool | None = None, early_final: bool | None = None,
-         host_nodes: bool | None = None) -> PlanArrays:
-    """The work of one decode step over ``tree`` (``target_chunk``, ``reread_weight``,
-    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``host_nodes``
-    override the cost model, for tuning and tests; ``flat=False`` keeps the cost model's folds,
-    ``True`` folds every node; ``final_lanes`` from 1 to the wide final tile's 32 rows over the
-    GQA group; ``one_tile=True`` puts every item in the wide tile, ``False`` each in its own;
-    ``early_final=True`` starts the last launch early even where the plan merges separately; a
-    plan without partial launches never does; ``host_nodes=False`` gives every computed node items
-    of its own, where the planner reads a node whose rows are whole row tiles of its nearest
-    computed ancestor's in that ancestor's items). ``ValueError``
-    when the partials would overflow the kernels' int32 indexing, or for lanes out of range."""
-    if final_lanes is not None and (type(final_lanes) is not int or final_lanes < 1):
-        raise ValueError(f"final_lanes must be a positive int or None, got {final_lanes!r}")
+def plan(tree: SegmentTree, shape: Shape, options: PlanOptions | None = None) -> PlanArrays:
+    """The work of one decode step over ``tree`` (planning only: no kernels picked, no block
+    tables read), as a :class:`~flash_reasoning.TreeAttentionPlan` of that tree would make it.
+    ``options`` forces the planner's choices. ``ValueError`` when the partials would overflow
+    the kernels' int32 indexing, for forced lanes out of range, or for a broken tree."""
+    options = options or PlanOptions()
+    dtype = {2: "float16", 4: "float32", 8: "float64"}.get(shape.dtype_bytes, "float16")
+    core_shape = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
+                  "head_dim": shape.head_dim, "dtype": dtype, "block_size": 1, "num_blocks": 1,
+                  "sm_scale": 0.0}
     try:
-        raw = _core.plan(tree, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim,
-                             shape.dtype_bytes, shape.num_sms, dispatch.TREE_BLOCK_MS,
-                             dispatch.FINAL_WIDE_BLOCK_M,
-                             target_chunk or 0, reread_weight,
-                             _tristate(separate_merge), _tristate(flat),
-                             final_lanes or 0, _tristate(one_tile), _tristate(early_final),
-                             _tristate(host_nodes))
+        core = _core.TreePlan(None, core_shape, tree, None, 0, options.core(), shape.num_sms)
     except _core.CoreError as err:
         raise ValueError(str(err)) from None
-    stats = {"nodes": tree.num_nodes, "computed_nodes": raw.pop("computed_nodes"),
-             "chunk_tokens": raw.pop("chunk_tokens"), "estimated_us": raw.pop("estimated_us"),
-             "partial_chunks": raw["chunk_start"].size,
-             "entries": raw["num_entries"],
-             "partial_programs": {bm: int(a.shape[0]) * shape.num_kv_heads
-                                  for bm, a in raw["items"].items()}}
-    return PlanArrays(**raw, stats=stats)
-
-
-def item_runs(arrays: PlanArrays, tables: np.ndarray, rows: np.ndarray,
-              block_size: int) -> dict[int, int]:
-    """Per row tile of ``arrays.items``: how its partial launch may read the items, as the runs
-    of consecutive slots the most scattered one lies in (1 or 2: the contiguous ``tree_partial``
-    kernels; 0: the page kernels): each item closed, inside its row's shared ranges (blocks
-    that stay put while the plan is valid) and broken at most once between pages. Where two
-    runs, each item's ``run_split`` field is written in place (``arrays.items`` are views of
-    ``arrays.work``: before the upload). Branch ``i``'s block table is ``tables[rows[i]]``
-    (int64, host memory, read in place: ``PhysicalKVAllocator.host_tables``). The C ABI decides
-    the same way (``csrc/core/planner.h``, ``item_runs``)."""
-    return {block_m: _core.item_runs(records, arrays.final_start, tables, rows, block_size)
-            for block_m, records in arrays.items.items()}
-
-
-def _tristate(choice: bool | None) -> int:
-    """The C++ options' encoding: -1 for the cost model's choice, else 0 or 1."""
-    return -1 if choice is None else int(choice)
+    return PlanArrays(**core.arrays)

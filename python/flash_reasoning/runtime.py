@@ -1,8 +1,10 @@
-"""Runs kernel launches on a CUDA device through the C++ launcher and the AOT cubins.
+"""Runs kernel launches on a CUDA device through the C++ core and the AOT cubins.
 
-A :class:`Launch` is data (spec, grid, args); this module turns tensors into raw pointers and
-hands them to ``flash_reasoning._core`` on torch's current stream. It never imports triton
-and never compiles: a device with no matching cubins gets a clear error.
+The C++ core (``flash_reasoning._core``) builds each op's launches (the one place they are
+made, for Python and the C ABI alike) and runs them on torch's current stream; this module holds
+its per-device :func:`context`, turns the core's launch lists into :class:`Launch` records for
+Triton's interpreter and the tuner, and launches such records. It never imports triton and never
+compiles: a device with no matching cubins gets a clear error.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .specializations import Spec
+from . import dispatch, tuning_table
+from .specializations import FAMILIES, Spec, make_spec
 
 #: Pointer alignment the kernels were compiled for (``tt.divisibility`` 16 on every pointer).
 POINTER_ALIGN = 16
@@ -91,43 +94,89 @@ def num_sms(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _launcher_for(device_index: int):
+def context(device_index: int):
+    """The C++ core's context of a CUDA device: the kernels of the arch serving it and their
+    dispatch rules (the manifest's, or ``$FLASH_REASONING_TUNING``'s table for that arch)."""
     from . import _core
-    arch_dir = artifact_root() / arch_of(device_index)
-    launcher = _core.Launcher(str(arch_dir), device_index)  # validates the manifest
-    _check_package_version(launcher.package_version, arch_dir / "manifest.json")
-    return launcher
+    return _with_tuning_override(_core.Context(str(artifact_root()), device_index))
 
 
-def _check_package_version(built_for: str, manifest: Path) -> None:
-    """Cubins of another package version may take other arguments: refuse them."""
-    from . import __version__
-    if built_for != __version__:
-        raise RuntimeError(f"{manifest} was built for flash_reasoning {built_for or None}, this "
-                           f"is flash_reasoning {__version__}: rebuild the artifacts (pip "
-                           f"install .) or point FLASH_REASONING_ARTIFACTS at this version's")
+@functools.lru_cache(maxsize=None)
+def host_context(arch: str, num_sms: int):
+    """A context that plans and builds launches for ``arch`` on ``num_sms`` SMs without a GPU
+    (CPU plans run through Triton's interpreter)."""
+    from . import _core
+    return _with_tuning_override(_core.Context.open_host_only(str(artifact_root()), arch, num_sms))
+
+
+def _with_tuning_override(ctx):
+    """``ctx`` picking by the tuning table ``$FLASH_REASONING_TUNING`` names, where it names
+    ``ctx``'s arch: its rule lists replace the manifest's (which carries the rules of the
+    tables present at build time); a list naming a kernel the artifacts lack is refused."""
+    table = tuning_table.load(ctx.arch)
+    if table is not None and table.source.startswith(tuning_table.ENV_VAR):
+        ctx.override_rules(json.dumps(dispatch.dispatch_rules(ctx.arch, table.rules)))
+    return ctx
+
+
+def reset() -> None:
+    """Forget the contexts and the rules they read (after ``$FLASH_REASONING_TUNING``
+    changes)."""
+    dispatch.reset()
+    context.cache_clear()
+    host_context.cache_clear()
 
 
 def run(launches: Sequence[Launch], device: torch.device) -> None:
     """Launch each in order on the current stream of ``device``; no sync, no allocation."""
-    launcher = _launcher_for(device.index)
+    ctx = context(device.index)
     stream = current_raw_stream(device.index)
     for launch in launches:
-        launcher.launch(launch.spec.name, launch.grid, _raw_args(launch.args), stream)
+        ctx.launch(launch.spec.name, launch.grid, _raw_args(launch.args), stream)
 
 
-def prepare(build: Callable[..., Sequence[Launch]], holes: Sequence[str], device: torch.device):
-    """The launches ``build`` returns, converted and checked once by the launcher of
-    ``device`` (a ``_core.PreparedLaunches``), for launches whose arguments stay fixed
-    but for a few pointers. ``build`` is called with one placeholder per name in ``holes``,
-    which it puts where that tensor goes; ``.run(pointers, stream)`` then fills them with
-    ``pointers`` (data pointers in the order of ``holes``), checks each (non-null, aligned)
-    and launches, without converting anything else again."""
-    from . import _core
-    launches = build(*(_core.Hole(i) for i in range(len(holes))))
-    specs = [(launch.spec.name, launch.grid, _raw_args(launch.args))
-             for launch in launches]  # _raw keeps the placeholders: they are not tensors
-    return _launcher_for(device.index).prepare(specs, list(holes))
+@functools.lru_cache(maxsize=None)
+def _manifest_specs(arch: str) -> dict[str, Spec]:
+    specs = {}
+    for entry in load_manifest(arch)["kernels"]:
+        family, key = FAMILIES[entry["kernel"]], entry["key"]
+        spec = make_spec(family, key["dtype"], key["num_warps"], key["num_stages"],
+                         **{name: key[name] for name in family.constexprs})
+        specs[spec.name] = spec
+    return specs
+
+
+def spec_of(arch: str, kernel_name: str) -> Spec:
+    """The :class:`Spec` of a kernel of ``arch``'s manifest, by its name."""
+    return _manifest_specs(arch)[kernel_name]
+
+
+#: A workspace argument's element type, by its parameter's type.
+_POINTER_DTYPES = {"*i32": torch.int32, "*i64": torch.int64, "*fp32": torch.float32}
+
+
+def core_launches(listed: Sequence[tuple], arch: str, pointers: dict[str, object],
+                  workspace: torch.Tensor | None) -> list[Launch]:
+    """The C++ core's launch list (``(kernel, grid, args, ...)``, each arg ``(name, source,
+    value, rows, cols)``: ``_core.TreePlan.launches``) as :class:`Launch` records: a per-call
+    pointer is the tensor ``pointers`` names, a workspace offset a view of ``workspace``
+    (uint8) typed as its parameter, a null pointer ``None``, and a pool the kernel reads
+    through a TMA descriptor a :class:`TensorMap` of its view."""
+    launches = []
+    for kernel, grid, args, *_ in listed:
+        spec = spec_of(arch, kernel)
+        types = dict(FAMILIES[spec.family].params)
+        values = []
+        for name, source, value, rows, cols in args:
+            if source == "call":
+                arg = pointers[name]
+            elif source == "workspace":
+                arg = workspace[value:].view(_POINTER_DTYPES[types[name]])
+            else:
+                arg = None if types[name].startswith("*") and not value else value
+            values.append(TensorMap(arg, rows, cols) if name in spec.tensor_maps else arg)
+        launches.append(Launch(spec, tuple(grid), tuple(values)))
+    return launches
 
 
 def _raw_stream_getter() -> Callable[[int], int]:

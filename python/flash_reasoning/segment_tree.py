@@ -74,7 +74,7 @@ class SegmentTree:
         the C++ core that the C ABI also uses: ``csrc/core/segment_tree.cc``).
         """
         arrays = _core.segment_tree(lengths, breaks, keys)
-        return cls(branch_ids=np.asarray(branch_ids, np.int64), **arrays)
+        return cls(branch_ids=_own_ids(branch_ids), **arrays)
 
     @classmethod
     def from_tables(cls, branch_ids: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
@@ -87,5 +87,12 @@ class SegmentTree:
         ``unwritten_block`` (the allocator's zero block: reading it says nothing of sharing)."""
         arrays = _core.segment_tree_from_tables(lengths, tables, block_size, rows,
                                                     unwritten_block)
-        return None if arrays is None else cls(branch_ids=np.asarray(branch_ids, np.int64),
-                                               **arrays)
+        return None if arrays is None else cls(branch_ids=_own_ids(branch_ids), **arrays)
+
+
+def _own_ids(branch_ids) -> np.ndarray:
+    """A read-only int64 copy of the caller's ids: engines refill their id buffers in place,
+    and a tree (or a plan made from it) must keep naming the branches it was built for."""
+    ids = np.array(branch_ids, dtype=np.int64, copy=True)
+    ids.flags.writeable = False
+    return ids

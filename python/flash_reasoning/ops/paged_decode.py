@@ -1,16 +1,15 @@
 """``paged_decode``: decode attention of one query token per sequence over paged K/V.
 
 Each sequence has its own block table (no sharing is exploited: that is ``tree_attention``).
-On CUDA tensors it runs the AOT kernels (split-K plus a log-sum-exp merge when there are too few
-sequences to fill the GPU); on CPU tensors, the PyTorch path.
+On CUDA tensors the C++ core builds and runs the launches (split-K plus a log-sum-exp merge when
+there are too few sequences to fill the GPU; ``csrc/ops/paged_decode.cc``, which the C ABI runs
+too); on CPU tensors, the PyTorch path.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .. import dispatch, log, runtime, torch_path
+from .. import _core, dispatch, log, runtime, torch_path
 from ..runtime import Launch
 from .checks import check_compiled, check_scale, check_tensor
 
@@ -36,10 +35,7 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     scale = check_scale(sm_scale, q.shape[-1])
     out = torch.empty_like(q) if out is None else out
     if q.is_cuda:
-        device = q.device
-        runtime.run(decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, scale,
-                                    runtime.arch_of(device.index), runtime.num_sms(device.index)),
-                    device)
+        _run_on_device(q, k_pool, v_pool, block_tables, seq_lens, out, scale)
     else:
         _check_lengths_fit(block_tables, seq_lens, k_pool.shape[1])
         _check_blocks_exist(block_tables, k_pool.shape[0])
@@ -47,57 +43,73 @@ def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
+def _run_on_device(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: float) -> None:
+    """The C++ core's paged decode on torch's current stream, with the split workspace (fp32
+    partials) from torch's caching allocator."""
+    index = q.device.index
+    ctx = runtime.context(index)
+    shape = _shape(q, k_pool, sm_scale)
+    num_seqs, max_blocks = q.shape[0], block_tables.shape[1]
+    workspace_bytes = ctx.paged_decode_workspace(shape, num_seqs, max_blocks)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device) \
+        if workspace_bytes else None
+    if log.enabled():
+        _log_launches(ctx, shape, num_seqs, max_blocks, workspace is not None)
+    ctx.paged_decode(shape, num_seqs, max_blocks,
+                     (q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_tables.data_ptr(),
+                      seq_lens.data_ptr(), out.data_ptr()),
+                     workspace.data_ptr() if workspace is not None else 0, workspace_bytes,
+                     runtime.current_raw_stream(index))
+
+
 def decode_launches(q, k_pool, v_pool, block_tables, seq_lens, out, sm_scale: float,
                     arch: str, num_sms: int, num_splits: int | None = None,
                     config: tuple[int, int, int] | None = None) -> list[Launch]:
-    """The launches of one paged decode: the decode kernel, then the merge if split.
-
-    Allocates the split partials (torch's caching allocator; the plan/run form of
-    ``tree_attention`` preallocates instead).
-    """
-    num_seqs, num_qo_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-    dtype = str(q.dtype).removeprefix("torch.")
-    tiles = num_kv_heads * dispatch.decode_tiles_per_kv_head(num_qo_heads, num_kv_heads)
-    capacity = block_tables.shape[1] * page_size  # an upper bound on every length, no sync
-    given = (num_splits is not None, config is not None)  # the tuner's overrides
-    if num_splits is None:
-        num_splits = dispatch.num_splits(num_seqs, tiles, capacity, num_sms)
-    kernel = "paged_decode_split" if num_splits > 1 else "paged_decode"
-    per_program = math.ceil(capacity / num_splits)
-    grid = (num_seqs, tiles, num_splits)
-    programs = math.prod(grid)
-    config = config or dispatch.config_for(kernel, dtype, head_dim, arch, per_program,
-                                           programs=programs, num_sms=num_sms)
+    """The launches of one paged decode on ``arch`` with ``num_sms`` SMs, as the C++ core
+    builds them (the decode kernel, then the merge if split), over these tensors and a split
+    workspace from torch's allocator: for Triton's interpreter and the tuner, whose
+    ``num_splits`` and ``config`` (BLOCK_N, warps, stages) force the split count and the
+    decode kernel's config."""
+    ctx = runtime.context(q.device.index) if q.is_cuda else runtime.host_context(arch, num_sms)
+    shape = _shape(q, k_pool, sm_scale)
+    num_seqs, max_blocks = q.shape[0], block_tables.shape[1]
+    kernel = ""
+    if config is not None:
+        splits = num_splits or ctx.paged_decode_launches(shape, num_seqs, max_blocks, True)[1]
+        kernel = dispatch.decode_spec(shape["dtype"], q.shape[2], splits > 1, arch, config,
+                                      k_pool.shape[1]).name
+    listed, splits, workspace_bytes = ctx.paged_decode_launches(
+        shape, num_seqs, max_blocks, True, num_splits or 0, kernel)
     if log.enabled():
-        log.splits_chosen(num_seqs, tiles, capacity, num_sms, num_splits, given[0])
-        log.config_chosen(kernel, config, dtype, arch, head_dim, per_program, given=given[1],
-                          programs=programs, num_sms=num_sms)
-    spec = dispatch.decode_spec(dtype, head_dim, num_splits > 1, arch, config, page_size)
-    scalars = decode_scalars(spec, sm_scale, num_qo_heads, num_kv_heads, page_size,
-                             block_tables.shape[1], per_program)
-    if num_splits == 1:
-        return [Launch(spec, grid, (q, k_pool, v_pool, block_tables, seq_lens, out, None, None)
-                       + scalars)]
-    partial_out = torch.empty(num_seqs, num_qo_heads, num_splits, head_dim,
-                              dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(num_seqs, num_qo_heads, num_splits, dtype=torch.float32,
-                              device=q.device)
-    merge = Launch(dispatch.merge_spec(dtype, head_dim), (num_seqs * num_qo_heads, 1, 1),
-                   (partial_out, partial_lse, out, num_splits))
-    return [Launch(spec, grid, (q, k_pool, v_pool, block_tables, seq_lens, None,
-                                partial_out, partial_lse) + scalars), merge]
+        _log_listed(listed, ctx.num_sms, arch, shape, num_seqs, max_blocks, splits,
+                    num_splits is not None, config is not None)
+    workspace = torch.empty(max(workspace_bytes, 16), dtype=torch.uint8, device=q.device)
+    pointers = dict(zip(_core.PAGED_DECODE_POINTERS,
+                        (q, k_pool, v_pool, block_tables, seq_lens, out)))
+    return runtime.core_launches(listed, arch, pointers, workspace)
 
 
-def decode_scalars(spec, sm_scale: float, num_qo_heads: int, num_kv_heads: int, page_size: int,
-                   max_blocks: int, per_program: int) -> tuple:
-    """The scalar arguments of a launch of the decode kernel ``spec`` whose programs walk at
-    most ``per_program`` tokens each (a split: its length, a whole multiple of the KV tile).
-    A tree plan with no partials launches the same kernel (``PlanArrays.as_paged_decode``)."""
-    block_n = dict(spec.constexprs)["BLOCK_N"]
-    tokens_per_split = max(math.ceil(per_program / block_n) * block_n, block_n)
-    return (sm_scale * math.log2(math.e), num_qo_heads, num_kv_heads, page_size, max_blocks,
-            tokens_per_split)
+def _shape(q, k_pool, sm_scale: float) -> dict:
+    return {"num_qo_heads": q.shape[1], "num_kv_heads": k_pool.shape[2], "head_dim": q.shape[2],
+            "dtype": str(q.dtype).removeprefix("torch."), "block_size": k_pool.shape[1],
+            "num_blocks": k_pool.shape[0], "sm_scale": sm_scale}
+
+
+def _log_launches(ctx, shape: dict, num_seqs: int, max_blocks: int, may_split: bool) -> None:
+    listed, splits, _ = ctx.paged_decode_launches(shape, num_seqs, max_blocks, may_split)
+    _log_listed(listed, ctx.num_sms, ctx.arch, shape, num_seqs, max_blocks, splits, False, False)
+
+
+def _log_listed(listed, num_sms: int, arch: str, shape: dict, num_seqs: int, max_blocks: int,
+                splits: int, splits_given: bool, config_given: bool) -> None:
+    """Debug records of a paged decode's split count and decode kernel, and why."""
+    heads, kv_heads = shape["num_qo_heads"], shape["num_kv_heads"]
+    tiles = kv_heads * dispatch.decode_tiles_per_kv_head(heads, kv_heads)
+    log.splits_chosen(num_seqs, tiles, max_blocks * shape["block_size"], num_sms, splits,
+                      splits_given)
+    kernel, _, _, rule, max_tokens, programs = listed[0] if listed else (None,) * 6
+    if kernel is not None:
+        log.kernel_picked(kernel, rule, max_tokens, programs, num_sms, arch, config_given)
 
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:

@@ -2,36 +2,30 @@
 reads each shared KV token once per step.
 
 ``TreeAttentionPlan`` is built once per decode step (or kept while the branches only grow):
-it runs the planner, uploads the work lists and allocates every buffer ``run`` needs. ``run``
-launches the partial kernel(s), then the final kernel (or, for a plan that merges separately,
-the merge kernel; for a plan with no partials, ``paged_decode``'s kernel alone); it allocates
-nothing and never synchronises, so it can be captured in a
-CUDA graph. On CPU allocators ``run`` executes the
-same plan with the PyTorch path.
+the C++ core plans the tree and lists its launches (``csrc/ops/tree_attention_plan.cc``, the
+same code the C ABI runs), and the plan allocates the one workspace they read (work lists,
+block tables, lengths, partials). ``run`` launches them with this call's four pointers: it
+allocates nothing and never synchronises, so it can be captured in a CUDA graph. On CPU
+allocators ``run`` executes the same plan with the PyTorch path; a CPU plan made for an arch
+(``planner.PlanOptions.arch``) also lists the launches, which Triton's interpreter runs.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
+import functools
 import weakref
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from .. import dispatch, log, planner, runtime, specializations, torch_path
+from .. import _core, log, planner, runtime, torch_path
 from ..allocator import PhysicalKVAllocator
-from ..runtime import POINTER_ALIGN, Launch, TensorMap
+from ..runtime import POINTER_ALIGN, Launch
 from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
-from .paged_decode import decode_scalars
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
 TABLE_HEADROOM_BLOCKS = 64
-
-#: The pointers each CUDA ``run`` passes to the plan's prepared launches, in this order; every
-#: other argument is the plan's own and fixed for its lifetime.
-PER_CALL_POINTERS = ("q", "k_pool", "v_pool", "out")
 
 
 class StalePlan(RuntimeError):
@@ -47,66 +41,42 @@ class TreeAttentionPlan:
     ``reserve``/``append`` steps keep it (``run`` picks up the new lengths and tables), any
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
-    The output is softmax attention with natural-log LSE merges (not base 2).
-    ``separate_merge``, ``flat``, ``final_lanes``, ``one_tile``, ``early_final`` and ``host_nodes``
-    force the planner's choices (``flash_reasoning.planner``), for tuning and tests. The attribute
-    ``contiguous`` holds, per row tile, the runs of consecutive slots its partial launch reads
-    each range as (1 or 2 where its ranges lie in consecutive pages, broken at most once; 0:
-    the paged kernels; ``planner.item_runs``); ``contiguous=False`` keeps every partial launch
-    on the paged kernels, for comparisons.
+    The output is softmax attention with natural-log LSE merges (not base 2). The plan keeps
+    its own copy of ``branch_ids``. ``_options`` (a ``planner.PlanOptions``) forces the
+    planner's choices, for tests and the tuner.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
-                 num_qo_heads: int, sm_scale: float | None = None,
-                 target_chunk: int | None = None, num_sms: int | None = None,
-                 arch: str | None = None, separate_merge: bool | None = None,
-                 flat: bool | None = None, final_lanes: int | None = None,
-                 one_tile: bool | None = None, early_final: bool | None = None,
-                 host_nodes: bool | None = None, contiguous: bool | None = None) -> None:
+                 num_qo_heads: int, sm_scale: float | None = None, *,
+                 _options: planner.PlanOptions | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
                             f"{type(allocator).__name__}")
-        self.allocator = allocator
+        options = _options if _options is not None else planner.PlanOptions()
+        if not isinstance(options, planner.PlanOptions):
+            raise TypeError(f"_options must be a planner.PlanOptions, got {type(options).__name__}")
+        self._allocator = allocator
         self.num_qo_heads = _check_heads(num_qo_heads, allocator.num_kv_heads)
         self.head_dim = allocator.head_dim
         self.sm_scale = check_scale(sm_scale, self.head_dim)
         device = allocator.device
-        if device.type == "cuda" or arch is not None:  # the kernels will run: compiled?
+        if device.type == "cuda" or options.arch is not None:  # the kernels will run: compiled?
             check_compiled("allocator", allocator.dtype, self.head_dim)
-        for name, value in (("target_chunk", target_chunk), ("num_sms", num_sms)):
-            if value is not None:
-                as_int(name, value, low=1)
-        if contiguous is not None and contiguous is not False:
-            raise ValueError(f"contiguous must be None (where the pages allow) or False (never): "
-                             f"only consecutive pages may be read as one run, got {contiguous!r}")
-        tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
-        self.branch_ids = tree.branch_ids
-        self.tree_version = allocator.tree_version
-        # arch/num_sms default to the device's; a CPU plan run through the interpreter names them.
-        self.arch = arch or (runtime.arch_of(device.index) if device.type == "cuda" else None)
-        self.num_sms = num_sms or (runtime.num_sms(device.index) if device.type == "cuda" else 1)
-        shape = planner.Shape(self.num_qo_heads, allocator.num_kv_heads, self.head_dim,
-                              allocator.k_pools[0].element_size(), self.num_sms)
-        self.arrays = planner.plan(tree, shape, target_chunk, separate_merge=separate_merge,
-                                   flat=flat, final_lanes=final_lanes, one_tile=one_tile,
-                                   early_final=early_final, host_nodes=host_nodes)
-        # Before the upload: two runs write each item's split into the plan's work buffer.
-        self.contiguous = {} if contiguous is False else planner.item_runs(
-            self.arrays, *allocator.host_tables(self.branch_ids), allocator.block_size)
-        self._upload_work_lists(device)
-        self.partial_out = torch.empty(self.arrays.num_entries, self.num_qo_heads,
-                                       self.head_dim, dtype=torch.float32, device=device)
-        self.partial_lse = torch.empty(self.arrays.num_entries, self.num_qo_heads,
-                                       dtype=torch.float32, device=device)
-        tables, _ = allocator.block_tables(self.branch_ids)
-        self.tables = torch.zeros(self.branch_ids.size,
-                                  tables.shape[1] + TABLE_HEADROOM_BLOCKS,
-                                  dtype=torch.int32, device=device)
-        self.lengths = torch.zeros(self.branch_ids.size, dtype=torch.int32, device=device)
-        self._table_version = None
-        self.refresh()
-        self._templates = self._launch_templates(tree.lengths) if self.arch else []
-        self._prepared = None  # the templates' launches, packed by the launcher on first run
+        self._context = _context_for(device, options)
+        with _holding(allocator):
+            tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
+            tables = _dense_tables(allocator, tree)
+            self.tree_version = allocator.tree_version
+            self._table_version = allocator.table_version
+        self.branch_ids = tree.branch_ids  # the tree's own read-only copy
+        self.arch = self._context.arch if self._context is not None else None
+        self.num_sms = options.num_sms or (self._context.num_sms if self._context else 1)
+        self._core = _core.TreePlan(self._context, self._shape(), tree, tables,
+                                    TABLE_HEADROOM_BLOCKS, options.core(), self.num_sms)
+        self._make_workspace(device)
+        if log.enabled():
+            for kernel, _, _, rule, max_tokens, programs in self._core.launches:
+                log.kernel_picked(kernel, rule, max_tokens, programs, self.num_sms, self.arch)
         # What run's quick check compares against (None: a CPU plan, which takes the full one).
         self._cuda_index = device.index if device.type == "cuda" else None
         self._io_shape = (self.num_branches, self.num_qo_heads, self.head_dim)
@@ -115,26 +85,56 @@ class TreeAttentionPlan:
                                for k, v in zip(allocator.k_pools, allocator.v_pools)]
 
     @property
+    def allocator(self) -> PhysicalKVAllocator:
+        return self._allocator
+
+    @property
     def num_branches(self) -> int:
         return int(self.branch_ids.size)
+
+    @functools.cached_property
+    def arrays(self) -> planner.PlanArrays:
+        """The planner's lists on the host (what the PyTorch path executes)."""
+        return planner.PlanArrays(**self._core.arrays)
+
+    @property
+    def slot_runs(self) -> dict[int, int]:
+        """Per row tile of ``arrays.items``: the runs of consecutive slots its partial launch
+        reads each item as (1 or 2, the slot-run kernels; 0: the page kernels)."""
+        return self._core.slot_runs
+
+    @property
+    def kernels(self) -> list[str]:
+        """The manifest name of each launch's kernel, in launch order (the C ABI's
+        ``frPlanKernelName``): the partial launches, then the final, merge or decode one."""
+        return [launch[0] for launch in self._core.launches]
+
+    @property
+    def launch_picks(self) -> list[tuple[str, int, int]]:
+        """Per launch: the rule list that picked its kernel, and the most tokens one program
+        walks and the program count it was picked by (the tuner's keys)."""
+        return [(rule, max_tokens, programs)
+                for _, _, _, rule, max_tokens, programs in self._core.launches]
 
     def refresh(self) -> None:
         """Copy the allocator's current tables and lengths into the plan's buffers (a no-op
         when unchanged); raises :class:`StalePlan` when the plan no longer describes the
         tree. ``run`` calls it; graph users call it before a replay."""
-        alloc = self.allocator
+        alloc = self._allocator
         if alloc.tree_version != self.tree_version:
             raise StalePlan("the allocator's tree changed since this plan was built (a fork, "
                             "free, prune or overwrite); build a new TreeAttentionPlan")
         if alloc.table_version == self._table_version:
             return
-        tables, lengths = alloc.block_tables(self.branch_ids)
+        with _holding(alloc):
+            tables, lengths = alloc.block_tables(self.branch_ids)
+            version = alloc.table_version
         if tables.shape[1] > self.tables.shape[1]:
             raise StalePlan(f"branches grew past the plan's {self.tables.shape[1]} table "
                             f"columns ({tables.shape[1]} needed); build a new plan")
         self.tables[:, :tables.shape[1]].copy_(tables)
         self.lengths.copy_(lengths)
-        self._table_version = alloc.table_version
+        self._table_version = version
 
     def run(self, q: torch.Tensor, layer: int = 0, out: torch.Tensor | None = None
             ) -> torch.Tensor:
@@ -144,171 +144,120 @@ class TreeAttentionPlan:
             self._validate(q, layer, out)  # raises, saying what is wrong (or passes a subclass)
         self.refresh()
         out = torch.empty_like(q) if out is None else out
+        if not self.num_branches:
+            return out
         if q.is_cuda:
-            self._launch(q, layer, out)
+            k_pool, v_pool = self._pool_pointers[layer]
+            self._core.run(q.data_ptr(), k_pool, v_pool, out.data_ptr(),
+                           runtime.current_raw_stream(self._cuda_index))
         else:
-            torch_path.tree_attention(self.arrays, q, self.allocator.k_pools[layer],
-                                      self.allocator.v_pools[layer], self.tables,
+            torch_path.tree_attention(self.arrays, q, self._allocator.k_pools[layer],
+                                      self._allocator.v_pools[layer], self.tables,
                                       self.lengths, self.sm_scale, out)
         return out
 
-    def _launch(self, q: torch.Tensor, layer: int, out: torch.Tensor) -> None:
-        """The plan's launches with this call's pointers on torch's current stream. They
-        are converted and checked once (on the first call): a call hands the launcher four
-        pointers, which it checks (non-null, aligned) before launching anything."""
-        if not self._templates:  # no branches: no work
-            return
-        prepared = self._prepared
-        if prepared is None:
-            prepared = self._prepared = runtime.prepare(self.launches, PER_CALL_POINTERS,
-                                                        q.device)
-        prepared.run((q.data_ptr(), *self._pool_pointers[layer], out.data_ptr()),
-                     runtime.current_raw_stream(self._cuda_index))
-
     def launches(self, q, k_pool, v_pool, out) -> list[Launch]:
-        """The partial launch of each tile size, then the final (or merge) launch: the
-        templates built with the plan, completed with this call's tensors (or, for ``run``'s
-        prepared launches, with placeholders for their pointers)."""
-        given = dict(zip(PER_CALL_POINTERS, (q, k_pool, v_pool, out)))
+        """The plan's launches with these tensors (the partial launch of each row tile, then
+        the final, merge or decode launch), as :class:`~flash_reasoning.runtime.Launch`
+        records over the plan's workspace: for Triton's interpreter and the tuner."""
+        pointers = dict(zip(_core.PLAN_POINTERS, (q, k_pool, v_pool, out)))
+        return runtime.core_launches(self._core.launches, self.arch, pointers, self.workspace)
 
-        def complete(arg):
-            if isinstance(arg, TensorMap):
-                return dataclasses.replace(arg, base=complete(arg.base))
-            return given[arg] if isinstance(arg, str) else arg
+    def _shape(self) -> dict:
+        """The attention call as the C++ core describes it."""
+        alloc = self._allocator
+        return {"num_qo_heads": self.num_qo_heads, "num_kv_heads": alloc.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": str(alloc.dtype).removeprefix("torch."),
+                "block_size": alloc.block_size, "num_blocks": alloc.num_blocks,
+                "sm_scale": self.sm_scale}
 
-        return [Launch(spec, grid, tuple(map(complete, args)))
-                for spec, grid, args in self._templates]
+    def _make_workspace(self, device: torch.device) -> None:
+        """The one buffer the launches read and write, filled with the plan's image (work
+        lists, tables, lengths) by one host-to-device copy; views of its regions. A CUDA plan
+        binds its launches to it."""
+        core = self._core
+        self.workspace = torch.empty(core.workspace_bytes, dtype=torch.uint8, device=device)
+        image = torch.from_numpy(core.image())
+        self.workspace[:image.numel()].copy_(image)
+        view = {name: self.workspace[offset:offset + size]
+                for name, (offset, size) in core.regions.items()}
+        entries = core.regions["partial_lse"][1] // (4 * self.num_qo_heads)
+        self.tables = view["tables"].view(torch.int32).view(self.num_branches, core.max_blocks)
+        self.lengths = view["lengths"].view(torch.int32)
+        self.partial_out = view["partial_out"].view(torch.float32).view(
+            entries, self.num_qo_heads, self.head_dim)
+        self.partial_lse = view["partial_lse"].view(torch.float32).view(entries, self.num_qo_heads)
+        if device.type == "cuda":
+            core.bind(self.workspace.data_ptr())
 
-    def _launch_templates(self, lengths: np.ndarray) -> list[tuple]:
-        """(spec, grid, arguments) of each launch, the per-call tensors named by their
-        :data:`PER_CALL_POINTERS` name: everything else is fixed when the plan is built (the
-        configs from the branches' ``lengths`` now). Sets ``launch_max_tokens``: the most
-        tokens one program of each partial and final launch walks, what its config was
-        picked by (the merge launch has one config)."""
-        self.launch_max_tokens = [_longest_item(records) for records in self.arrays.items.values()]
-        if not self.num_branches:
-            return []
-        dtype = str(self.allocator.dtype).removeprefix("torch.")
-        kv_heads = self.allocator.num_kv_heads
-        scalars = (self.sm_scale * math.log2(math.e), self.num_qo_heads, kv_heads,
-                   self.allocator.block_size, self.tables.shape[1])
-        paged = ("q", "k_pool", "v_pool", self.tables, self.lengths)
-        templates = []
-        for (block_m, records), items, tokens in zip(self.arrays.items.items(), self._items,
-                                                     self.launch_max_tokens):
-            spec = self._partial_spec(dtype, block_m, tokens, records.shape[0] * kv_heads)
-            templates.append(
-                (spec, ordered_grid(records.shape[0], kv_heads, self.arrays.heads_first[block_m]),
-                 self._pool_args(spec, paged) + (self._order, items, self._entry_slot,
-                                                 self.partial_out, self.partial_lse) + scalars
-                 + (int(self.arrays.early_final), int(self.arrays.heads_first[block_m]))))
-        if self.arrays.separate_merge:
-            templates.append((dispatch.tree_merge_spec(dtype, self.head_dim, self.arch),
-                              (self.num_branches, self.num_qo_heads, 1),
-                              (self._merge_ptr, self.partial_out, self.partial_lse, "out",
-                               self.num_qo_heads)))
-            return templates
-        # A packed program walks its lanes' final ranges side by side.
-        lanes = self.arrays.final_lanes
-        tiles = kv_heads * dispatch.decode_tiles_per_kv_head(self.num_qo_heads, kv_heads)
-        grid = ordered_grid(-(-self.num_branches // lanes), tiles, self.arrays.final_heads_first)
-        final_tokens = int((lengths - self.arrays.final_start).max()) * lanes
-        self.launch_max_tokens.append(final_tokens)
-        if self.arrays.as_paged_decode:
-            templates.append(self._decode_template(dtype, grid, final_tokens, paged))
-            return templates
-        wide = self.arrays.final_block_m != dispatch.BLOCK_M
-        common = self.arrays.has_common
-        final_config = self._config(dispatch.tree_final_kernel(lanes > 1, wide, common), dtype,
-                                    final_tokens, math.prod(grid))
-        templates.append((dispatch.tree_final_spec(dtype, self.head_dim, self.arch, final_config,
-                                                   lanes > 1, self.allocator.block_size, wide,
-                                                   common),
-                          grid,
-                          paged + (self._order, self._final_start, self._merge_ptr,
-                                   self._common, self.partial_out, self.partial_lse, "out")
-                          + scalars + (self.num_branches, lanes,
-                                       int(self.arrays.final_heads_first))))
-        return templates
-
-    def _pool_args(self, spec, paged: tuple) -> tuple:
-        """``paged`` with each pool ``spec`` reads through a TMA descriptor as a
-        :class:`TensorMap` of [slots, KV heads x head_dim]."""
-        pool = self.allocator.k_pools[0]
-        rows, cols = pool.shape[0] * pool.shape[1], pool.shape[2] * pool.shape[3]
-        names = specializations.FAMILIES[spec.family].param_names
-        return tuple(TensorMap(arg, rows, cols) if name in spec.tensor_maps else arg
-                     for name, arg in zip(names, paged))
-
-    def _partial_spec(self, dtype: str, block_m: int, max_tokens: int, programs: int):
-        """The partial launch of the ``block_m``-row tile: its kernel reads each range through
-        the pages or as the runs of slots the plan found (:attr:`contiguous`)."""
-        runs = self.contiguous.get(block_m, 0)
-        config = self._config("tree_partial", dtype, max_tokens, programs, block_m, runs)
-        return dispatch.tree_partial_spec(dtype, self.head_dim, block_m, self.arch, config,
-                                          self.allocator.block_size, runs)
-
-    def _decode_template(self, dtype: str, grid: tuple, longest: int, paged: tuple) -> tuple:
-        """A plan with no partials (``PlanArrays.as_paged_decode``): paged_decode's kernel, unsplit,
-        over the final launch's ``grid`` (one lane: a program per branch and query tile), each
-        program a whole branch (up to its table's capacity, so the plan survives growth); the
-        config by the longest branch now."""
-        spec = dispatch.decode_spec(dtype, self.head_dim, False, self.arch, self._config(
-            "paged_decode", dtype, longest, math.prod(grid)), self.allocator.block_size)
-        max_blocks = self.tables.shape[1]
-        scalars = decode_scalars(spec, self.sm_scale, self.num_qo_heads,
-                                 self.allocator.num_kv_heads, self.allocator.block_size,
-                                 max_blocks, max_blocks * self.allocator.block_size)
-        return spec, grid, paged + ("out", None, None) + scalars
-
-    def _config(self, kernel: str, dtype: str, max_tokens: int, programs: int,
-                block_m: int | None = None, contiguous: int = 0) -> tuple[int, int, int]:
-        """The dispatch rules' config for a launch of ``programs`` programs that walk at most
-        ``max_tokens`` tokens each."""
-        config = dispatch.config_for(kernel, dtype, self.head_dim, self.arch, max_tokens, block_m,
-                                     programs, self.num_sms, contiguous)
-        if log.enabled():
-            log.config_chosen(kernel, config, dtype, self.arch, self.head_dim, max_tokens,
-                              block_m, programs=programs, num_sms=self.num_sms,
-                              slot_runs=contiguous)
-        return config
-
-    def _upload_work_lists(self, device: torch.device) -> None:
-        """One host-to-device copy of every int32 list, packed by the planner (each pointer
-        valid, distinct and 16-byte aligned); views of it for the launches."""
-        arrays = self.arrays
-        parts = [arrays.order, arrays.final_start, arrays.merge_ptr, arrays.entry_slot,
-                 arrays.common, *arrays.items.values()]
-        self._work = torch.tensor(arrays.work, device=device)  # a copy on the CPU too
-        (self._order, self._final_start, self._merge_ptr, self._entry_slot, self._common,
-         *self._items) = [self._work[o:o + p.size] for p, o in zip(parts, arrays.work_offsets)]
+    def _weakly_held(self) -> TreeAttentionPlan:
+        """This plan holding its allocator by a weak reference: for a cache keyed by the
+        allocator, which must not keep it alive."""
+        self._allocator = weakref.proxy(self._allocator)
+        return self
 
     def _quick_check(self, q, layer, out) -> bool:
         """Whether a CUDA plan's ``run`` arguments certainly pass :meth:`_validate`: the same
-        conditions as identity and integer compares, with no message to build (H100 host:
-        2.8 against 3.3 us, per layer and step). False sends them to the full check."""
+        conditions as identity and integer compares, with no message to build. False sends
+        them to the full check."""
         index = self._cuda_index
         return (index is not None and type(layer) is int
-                and 0 <= layer < self.allocator.num_layers
+                and 0 <= layer < len(self._pool_pointers)
                 and self._fits(q, index) and (out is None or self._fits(out, index)))
 
     def _fits(self, t, index: int) -> bool:
-        return (type(t) is torch.Tensor and t.dtype is self.allocator.dtype and t.is_cuda
+        return (type(t) is torch.Tensor and t.dtype is self._allocator.dtype and t.is_cuda
                 and t.get_device() == index and t.shape == self._io_shape
                 and t.is_contiguous() and not t.data_ptr() % POINTER_ALIGN)
 
     def _validate(self, q, layer, out) -> None:
+        alloc = self._allocator
         for name, t in (("q", q), ("out", out)):
             if t is None:  # out only
                 continue
-            check_tensor(name, t, self.allocator.dtype, self.allocator.device, "the allocator")
+            check_tensor(name, t, alloc.dtype, alloc.device, "the allocator")
             if tuple(t.shape) != self._io_shape:
                 raise ValueError(f"{name} must be [num_branches, num_qo_heads, head_dim] = "
                                  f"{self._io_shape}, got {tuple(t.shape)}")
-        check_layer(layer, self.allocator.num_layers)
+        check_layer(layer, alloc.num_layers)
 
 
-_plans: "weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple]" = weakref.WeakKeyDictionary()
+def _context_for(device: torch.device, options: planner.PlanOptions):
+    """The C++ context a plan's kernels come from: the device's for a CUDA allocator, a
+    host-only one for a CPU plan made for an arch (the interpreter), none for the PyTorch
+    path."""
+    if device.type == "cuda":
+        return runtime.context(device.index)
+    if options.arch is None:
+        return None
+    return runtime.host_context(options.arch, options.num_sms or _core.HOST_ONLY_SMS)
+
+
+def _dense_tables(allocator: PhysicalKVAllocator, tree) -> np.ndarray:
+    """The branches' block tables from the allocator's host mirror, one int32 row each (in
+    the tree's branch order) of the columns its longest branch covers."""
+    mirror, rows = allocator.host_tables(tree.branch_ids)
+    columns = max(1, -(-int(tree.lengths.max(initial=0)) // allocator.block_size))
+    return mirror[rows, :columns].astype(np.int32)
+
+
+def _holding(allocator):
+    """The allocator's lock, where it has one: host state read while other threads may
+    change it."""
+    return getattr(allocator, "_lock", _NO_LOCK)
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_LOCK = _NoLock()
+
+_plans: weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple] = weakref.WeakKeyDictionary()
 
 
 def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
@@ -318,9 +267,10 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     ``q`` is ``[len(branch_ids), num_qo_heads, head_dim]``; returns the same shape in q's
     dtype. Shared tokens are read once for all the branches below them.
 
-    Keeps the last plan per allocator and reuses it while the branches, their tree and the
-    head count are unchanged (the layers of one step, and steps that only append). Engines
-    that want to control planning use :class:`TreeAttentionPlan` directly.
+    Keeps the last plan per allocator (never keeping the allocator alive) and reuses it while
+    the branches, their tree and the head count are unchanged (the layers of one step, and
+    steps that only append). Engines that want to control planning use
+    :class:`TreeAttentionPlan` directly.
     """
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
@@ -337,22 +287,8 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
             pass
     plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale)
     out = plan.run(q, layer, out)
-    _plans[allocator] = ((q.shape[1], sm_scale), plan)  # only a plan that ran is kept
+    _plans[allocator] = ((q.shape[1], sm_scale), plan._weakly_held())  # only a plan that ran
     return out
-
-
-def ordered_grid(programs: int, heads: int, heads_first: bool) -> tuple[int, int, int]:
-    """A tree launch's grid: (programs, heads), or (heads, programs) where each program's heads
-    run together (``tree_partial``'s items by ``PlanArrays.heads_first``, packed ``tree_final``
-    programs by ``PlanArrays.final_heads_first``; the kernels' ``item_and_head``)."""
-    return (heads, programs, 1) if heads_first else (programs, heads, 1)
-
-
-def _longest_item(records: np.ndarray) -> int:
-    """The most tokens one ``tree_partial`` work item walks."""
-    fields = specializations.TREE_ITEM_FIELDS
-    lengths = records[:, fields.index("kv_end")] - records[:, fields.index("kv_start")]
-    return int(lengths.max(initial=0))
 
 
 def _same_ids(plan: TreeAttentionPlan, ids: np.ndarray) -> bool:
@@ -367,3 +303,4 @@ def _check_heads(num_qo_heads, num_kv_heads: int) -> int:
         raise ValueError(f"num_qo_heads must be a positive multiple of the allocator's "
                          f"num_kv_heads ({num_kv_heads}), got {num_qo_heads}")
     return num_qo_heads
+

@@ -173,9 +173,9 @@ class Tuner:
         q = torch.randn(len(leaves), NUM_QO_HEADS, head_dim, device="cuda").to(alloc.dtype)
         launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], torch.empty_like(q))
         name = f"tree {nodes}x{[*tokens, leaf]} g{group} {dtype} d{head_dim}"
-        # A plan that merges separately ends with tree_merge (one config, no rule list) and
-        # no length of its own: zip stops before it.
-        for launch, max_tokens in zip(launches, plan.launch_max_tokens):
+        for launch, (rule, max_tokens, programs) in zip(launches, plan.launch_picks):
+            if rule.split("/")[0] not in dict(dispatch.RULE_LISTS):
+                continue  # tree_merge: one config, no rule list
             kernel = dispatch.rule_kernel(launch.spec)
             keys = launch.spec.key
             block_m = keys["BLOCK_M"] if kernel == "tree_partial" else None
@@ -185,7 +185,7 @@ class Tuner:
             runs = {config: [replace(launch, spec=dispatch.kernel_spec(
                 kernel, dtype, head_dim, self.arch, config, block_m, page, slot_runs))]
                 for config in self.candidates(key)}
-            self._sample(key, name, max_tokens, math.prod(launch.grid), runs)
+            self._sample(key, name, max_tokens, programs, runs)
 
     def time_paged(self, dtype: str, head_dim: int, group: int, seqs: int, length: int) -> None:
         """A paged decode (split when its programs are few) with every candidate."""
