@@ -21,7 +21,14 @@
  * - Host arrays are read during the call only.
  * - Run calls are asynchronous on the given stream and never synchronise or allocate, so they
  *   can be captured in a CUDA graph.
- * - A context may be shared by threads; a plan is used by one thread at a time.
+ * - Handles (frContext, frPlan) are checked against the live ones before any use: a destroyed,
+ *   doubly destroyed, garbage or foreign handle (one of another copy of the library, or a plan
+ *   passed as a context) gets FR_INVALID_ARGUMENT with a message saying which, never a crash.
+ *   Handles are opaque values, not addresses: never dereference one. They are not reused, so
+ *   a destroyed handle never names a newer object.
+ * - A context may be shared by threads; a plan is used by one thread at a time. Destroying a
+ *   context or plan while another thread is inside a call on it is safe: that call finishes on
+ *   the live object, later calls get FR_INVALID_ARGUMENT.
  * - The caller's thread must have the device's context current, or none (then the device's
  *   primary context is made current, the one the CUDA runtime uses).
  *
@@ -114,7 +121,9 @@ frStatus frContextCreate(const char* artifact_root, int device, frContext* out);
  * validate and plan (frPlanGetInfo works) but allocate nothing; runs, updates, appends and
  * memory calls return FR_DRIVER_UNAVAILABLE. Plans assume 132 SMs (an H100). */
 frStatus frContextCreateHostOnly(const char* artifact_root, const char* arch, frContext* out);
-/* Destroy a context after the plans made from it. NULL is a no-op. */
+/* Destroys the context and every plan made from it that is still alive: later calls on those
+ * plans get FR_INVALID_ARGUMENT, frPlanDestroy included (whatever the order of the destroy
+ * calls, nothing leaks). NULL is a no-op; a context destroyed already is FR_INVALID_ARGUMENT. */
 frStatus frContextDestroy(frContext context);
 /* The arch folder in use, e.g. "sm90"; valid while the context lives. */
 frStatus frContextArch(frContext context, const char** arch);
@@ -136,10 +145,13 @@ frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v
                    void* stream);
 /* The next decode step without re-planning: same branches, each at least as long as before
  * and holding the same blocks over the ranges the plan reads once for several branches.
- * Otherwise FR_PLAN_MISMATCH (the plan is unchanged: create a new one). Enqueues the copy of
- * the new lengths and tables on `stream`, ordered before later runs on it. */
+ * Otherwise FR_PLAN_MISMATCH (the plan is unchanged: create a new one). A tree invalid in
+ * itself (a negative count, length or stride, NULL arrays) is FR_INVALID_ARGUMENT, checked
+ * before the tree is compared with the plan. Enqueues the copy of the new lengths and tables
+ * on `stream`, ordered before later runs on it. */
 frStatus frPlanUpdate(frPlan plan, const frTree* tree, void* stream);
-/* NULL is a no-op. */
+/* NULL is a no-op; a plan destroyed already (by frPlanDestroy or with its context) is
+ * FR_INVALID_ARGUMENT. */
 frStatus frPlanDestroy(frPlan plan);
 
 /* ---- KV cache writes and paged decode ----------------------------------------------- */
