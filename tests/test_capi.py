@@ -208,6 +208,37 @@ def test_manifest_of_another_version(api, tmp_path):
     assert rc == FR_INVALID_MANIFEST and "'0.0.1'" in msg and "0.1.0" in msg and api.untouched(box)
 
 
+def arch_root(tmp_path):
+    """An artifact root holding ARCH, with ARCH beside it too (where "../ARCH" would lead)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    for folder in (root / ARCH, tmp_path / ARCH):
+        folder.symlink_to(capi.artifact_root() / ARCH, target_is_directory=True)
+    return root
+
+
+@pytest.mark.parametrize("arch", ["../" + ARCH, ARCH + "/", "/" + ARCH, f"{ARCH}/../{ARCH}", "./" + ARCH, "", "sm",
+                                  ARCH.upper(), "sm9a", "sm 90", ARCH + "\n", "sm" + "9" * 12])
+def test_host_context_refuses_a_malformed_arch(api, tmp_path, arch):
+    """An arch is "sm" and digits, the name of a folder directly under the artifact root."""
+    root = arch_root(tmp_path)
+    assert api.call("frContextCreateHostOnly", str(root).encode(), ARCH.encode(), api.out("frContext"))[0] == FR_OK
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreateHostOnly", str(root).encode(), arch.encode(), box)
+    assert rc == FR_INVALID_ARGUMENT and api.untouched(box), msg
+    assert msg.startswith("arch must be 'sm' followed by digits") and f"got '{arch}'" in msg, msg
+
+
+def test_host_context_refuses_a_manifest_of_another_arch(api, tmp_path):
+    folder = tmp_path / ("sm80" if ARCH != "sm80" else "sm89")
+    folder.mkdir()
+    shutil.copy(capi.artifact_root() / ARCH / "manifest.json", folder)
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreateHostOnly", str(tmp_path).encode(), folder.name.encode(), box)
+    assert rc == FR_INVALID_MANIFEST and api.untouched(box), msg
+    assert str(folder / "manifest.json") in msg and f"arch '{ARCH}'" in msg and f"folder '{folder.name}'" in msg
+
+
 def test_calls_refuse_null_outputs_and_bad_sizes(api, host_context):
     _, _, plan = api.plan(host_context, small_problem())
     shape, null = api.ffi.new("frAttentionShape*", SEED_SHAPE), api.ffi.NULL
@@ -614,9 +645,16 @@ def test_context_without_driver(tmp_path):
     assert out["negative"][0] == FR_INVALID_ARGUMENT and "device must be >= 0" in out["negative"][1]
 
 
-def test_fake_driver_context_and_memory(fake_libcuda):
-    out = in_fresh_interpreter("""
+def test_fake_driver_context_and_memory(tmp_path, fake_libcuda):
+    wrong_arch = tmp_path / "wrong" / "sm90" / "manifest.json"  # the fake device is an sm90
+    wrong_arch.parent.mkdir(parents=True)
+    manifest = json.loads((capi.artifact_root() / ARCH / "manifest.json").read_text())
+    wrong_arch.write_text(json.dumps(dict(manifest, arch="sm89")))
+    out = in_fresh_interpreter(f"""
         box = api.out("frContext")
+        wrong = api.out("frContext")
+        out["wrong_arch"] = [*api.call("frContextCreate", {str(wrong_arch.parent.parent).encode()!r}, 0, wrong),
+                             api.untouched(wrong)]
         out["create"] = api.call("frContextCreate", root, 0, box)
         context = box[0]
         arch = api.ffi.new("char**")
@@ -635,6 +673,9 @@ def test_fake_driver_context_and_memory(fake_libcuda):
         out["free"] = api.call("frDeviceFree", context, pointer[0])
     """, libcuda=fake_libcuda)
     assert out.pop("create") == [FR_OK, ""] and out.pop("arch") == "sm90"
+    status, message, untouched = out.pop("wrong_arch")
+    assert status == FR_INVALID_MANIFEST and untouched, message
+    assert str(wrong_arch) in message and "arch 'sm89'" in message and "folder 'sm90'" in message
     status, message, untouched = out.pop("bad_device")
     assert status == FR_CUDA_ERROR and "cuDeviceGet(3)" in message and "CUDA_ERROR_INVALID_DEVICE" in message
     assert untouched and out.pop("round_trip")

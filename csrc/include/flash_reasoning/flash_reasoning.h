@@ -115,11 +115,15 @@ const char* frVersion(void);
 
 /* ---- context -------------------------------------------------------------------------- */
 /* artifact_root holds one folder per arch (sm80/, sm89/, sm90/), each with manifest.json and
- * cubins: the package's flash_reasoning/_artifacts. Selects the arch serving `device`. */
+ * cubins: the package's flash_reasoning/_artifacts. Selects the arch serving `device`.
+ * Both constructors refuse a manifest whose "arch" differs from its folder's name
+ * (FR_INVALID_MANIFEST). */
 frStatus frContextCreate(const char* artifact_root, int device, frContext* out);
-/* A context for planning without a GPU: `arch` (e.g. "sm90") names the folder to read. Plans
- * validate and plan (frPlanGetInfo works) but allocate nothing; runs, updates, appends and
- * memory calls return FR_DRIVER_UNAVAILABLE. Plans assume 132 SMs (an H100). */
+/* A context for planning without a GPU: `arch`, "sm" and digits (e.g. "sm90"), names the
+ * folder directly under artifact_root to read; anything else (e.g. "../sm90") is
+ * FR_INVALID_ARGUMENT. Plans validate and plan (frPlanGetInfo works) but allocate nothing;
+ * runs, updates, appends and memory calls return FR_DRIVER_UNAVAILABLE. Plans assume 132 SMs
+ * (an H100). */
 frStatus frContextCreateHostOnly(const char* artifact_root, const char* arch, frContext* out);
 /* Destroys the context and every plan made from it that is still alive: later calls on those
  * plans get FR_INVALID_ARGUMENT, frPlanDestroy included (whatever the order of the destroy
