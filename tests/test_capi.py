@@ -239,6 +239,26 @@ def test_host_context_refuses_a_manifest_of_another_arch(api, tmp_path):
     assert str(folder / "manifest.json") in msg and f"arch '{ARCH}'" in msg and f"folder '{folder.name}'" in msg
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_host_context_refuses_a_manifest_that_is_not_a_regular_file(tmp_path, kind):
+    """A FIFO would block the open forever, /dev/zero be read until memory runs out."""
+    manifest = tmp_path / ARCH / "manifest.json"
+    manifest.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    else:
+        manifest.symlink_to("/dev/zero")
+    out = misuse(f"""
+        box = ffi.new("frContext*", ffi.cast("frContext", 0x5EED))
+        out["create"] = call("frContextCreateHostOnly", {str(tmp_path).encode()!r}, ARCH, box)
+        out["untouched"] = int(ffi.cast("uintptr_t", box[0])) == 0x5EED
+    """)
+    status, message = out["create"]
+    what = {"fifo": "is a FIFO", "dev_zero": "is a character device"}[kind]
+    assert status == FR_IO_ERROR and f"manifest {manifest} {what}, not a regular file" in message, message
+    assert out["untouched"]
+
+
 def test_calls_refuse_null_outputs_and_bad_sizes(api, host_context):
     _, _, plan = api.plan(host_context, small_problem())
     shape, null = api.ffi.new("frAttentionShape*", SEED_SHAPE), api.ffi.NULL

@@ -117,7 +117,8 @@ const char* frVersion(void);
 /* artifact_root holds one folder per arch (sm80/, sm89/, sm90/), each with manifest.json and
  * cubins: the package's flash_reasoning/_artifacts. Selects the arch serving `device`.
  * Both constructors refuse a manifest whose "arch" differs from its folder's name
- * (FR_INVALID_MANIFEST). */
+ * (FR_INVALID_MANIFEST), and artifact files that are not regular files, such as a FIFO or a
+ * link to a device (FR_IO_ERROR), before opening them for a blocking or endless read. */
 frStatus frContextCreate(const char* artifact_root, int device, frContext* out);
 /* A context for planning without a GPU: `arch`, "sm" and digits (e.g. "sm90"), names the
  * folder directly under artifact_root to read; anything else (e.g. "../sm90") is
