@@ -8,9 +8,11 @@ is enough to create, update and reject plans. GPU: the cffi path against the Pyt
 the float64 reference.
 """
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass, field
 
@@ -25,7 +27,7 @@ from flash_reasoning.planner import PlanOptions
 
 cffi = pytest.importorskip("cffi")
 
-FR_OK, FR_INVALID_ARGUMENT, FR_NOT_FOUND, FR_INVALID_MANIFEST = 0, 1, 2, 3
+FR_OK, FR_INVALID_ARGUMENT, FR_NOT_FOUND, FR_INVALID_MANIFEST, FR_IO_ERROR = 0, 1, 2, 3, 8
 FR_DRIVER_UNAVAILABLE, FR_CUDA_ERROR, FR_PLAN_MISMATCH, FR_UNSUPPORTED = 5, 6, 10, 11
 FR_FLOAT16, FR_BFLOAT16 = 1, 2
 # Host-only contexts read this folder (sm90 unless a GPU check built another arch alone);
@@ -207,6 +209,297 @@ def test_manifest_of_another_version(api, tmp_path):
     assert rc == FR_INVALID_MANIFEST and "'0.0.1'" in msg and "0.1.0" in msg and api.untouched(box)
 
 
+def arch_root(tmp_path):
+    """An artifact root holding ARCH, with ARCH beside it too (where "../ARCH" would lead)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    for folder in (root / ARCH, tmp_path / ARCH):
+        folder.symlink_to(capi.artifact_root() / ARCH, target_is_directory=True)
+    return root
+
+
+@pytest.mark.parametrize("arch", ["../" + ARCH, ARCH + "/", "/" + ARCH, f"{ARCH}/../{ARCH}", "./" + ARCH, "", "sm",
+                                  ARCH.upper(), "sm9a", "sm 90", ARCH + "\n", "sm" + "9" * 12])
+def test_host_context_refuses_a_malformed_arch(api, tmp_path, arch):
+    """An arch is "sm" and digits, the name of a folder directly under the artifact root."""
+    root = arch_root(tmp_path)
+    assert api.call("frContextCreateHostOnly", str(root).encode(), ARCH.encode(), api.out("frContext"))[0] == FR_OK
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreateHostOnly", str(root).encode(), arch.encode(), box)
+    assert rc == FR_INVALID_ARGUMENT and api.untouched(box), msg
+    assert msg.startswith("arch must be 'sm' followed by digits") and f"got '{arch}'" in msg, msg
+
+
+def test_host_context_refuses_a_manifest_of_another_arch(api, tmp_path):
+    folder = tmp_path / ("sm80" if ARCH != "sm80" else "sm89")
+    folder.mkdir()
+    shutil.copy(capi.artifact_root() / ARCH / "manifest.json", folder)
+    box = api.out("frContext")
+    rc, msg = api.call("frContextCreateHostOnly", str(tmp_path).encode(), folder.name.encode(), box)
+    assert rc == FR_INVALID_MANIFEST and api.untouched(box), msg
+    assert str(folder / "manifest.json") in msg and f"arch '{ARCH}'" in msg and f"folder '{folder.name}'" in msg
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_host_context_refuses_a_manifest_that_is_not_a_regular_file(tmp_path, kind):
+    """A FIFO would block the open forever, /dev/zero be read until memory runs out."""
+    manifest = tmp_path / ARCH / "manifest.json"
+    manifest.parent.mkdir()
+    if kind == "fifo":
+        os.mkfifo(manifest)
+    else:
+        manifest.symlink_to("/dev/zero")
+    out = misuse(f"""
+        box = ffi.new("frContext*", ffi.cast("frContext", 0x5EED))
+        out["create"] = call("frContextCreateHostOnly", {str(tmp_path).encode()!r}, ARCH, box)
+        out["untouched"] = int(ffi.cast("uintptr_t", box[0])) == 0x5EED
+    """)
+    status, message = out["create"]
+    what = {"fifo": "is a FIFO", "dev_zero": "is a character device"}[kind]
+    assert status == FR_IO_ERROR and f"manifest {manifest} {what}, not a regular file" in message, message
+    assert out["untouched"]
+
+
+def test_calls_refuse_null_outputs_and_bad_sizes(api, host_context):
+    _, _, plan = api.plan(host_context, small_problem())
+    shape, null = api.ffi.new("frAttentionShape*", SEED_SHAPE), api.ffi.NULL
+    calls = [
+        ("frContextArch", (host_context, null), "arch must not be NULL"),
+        ("frPlanGetInfo", (plan, null), "info must not be NULL"),
+        ("frPlanKernelName", (plan, 0, null), "name must not be NULL"),
+        ("frDeviceAlloc", (host_context, 64, null), "ptr must not be NULL"),
+        ("frCopyToHost", (host_context, null, api.pointer(256), 8), "dst and src must not be NULL"),
+        ("frCopyToDevice", (host_context, api.pointer(256), null, 8), "dst and src must not be NULL"),
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, 2, 4, null), "bytes must not be NULL"),
+        ("frPagedDecodeWorkspaceSize", (host_context, null, 2, 4, api.ffi.new("size_t*")), "shape must not be NULL"),
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, -1, 4, api.ffi.new("size_t*")), "got -1 and 4"),
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, 2, 0, api.ffi.new("size_t*")), "got 2 and 0"),
+        ("frPagedDecodeWorkspaceSize", (host_context, api.ffi.new("frAttentionShape*", dict(SEED_SHAPE, dtype=0)),
+                                        2, 4, api.ffi.new("size_t*")), "frDtype 0"),
+    ]
+    for name, args, fragment in calls:
+        rc, msg = api.call(name, *args)
+        assert rc == FR_INVALID_ARGUMENT and fragment in msg, (name, msg)
+    api.lib.frPlanDestroy(plan)
+
+
+# ---------------------------------------------------------------- handles: misuse is an error, never a crash
+
+# A fresh interpreter without torch (a fraction of a second to start): a crash there fails
+# one test instead of ending the run. Every context call and every plan call with valid
+# arguments apart from the handle, so each test tries them all.
+MISUSE_PRELUDE = """
+import json, threading, cffi, numpy as np
+ffi = cffi.FFI()
+ffi.cdef(CDEF)
+lib = ffi.dlopen(LIBRARY)
+NULL, p = ffi.NULL, ffi.cast("void*", 256)
+keep = []
+out = {}
+
+def call(name, *args):
+    return [int(getattr(lib, name)(*args)), ffi.string(lib.frGetLastError()).decode()]
+
+def context(library=lib):
+    box = ffi.new("frContext*")
+    assert library.frContextCreateHostOnly(ROOT, ARCH, box) == 0
+    return box[0]
+
+def tree_c(branches=4):
+    lengths = np.full(branches, 80, np.int32)  # a 64-token root in blocks 0-3, one own block each
+    tables = np.zeros((branches, 7), np.int32)
+    tables[:, :4] = np.arange(4)
+    tables[:, 4] = 4 + np.arange(branches)
+    keep.extend([lengths, tables])
+    return ffi.new("frTree*", dict(num_branches=branches, lengths=ffi.from_buffer("int32_t[]", lengths),
+                                   block_tables=ffi.from_buffer("int32_t[]", tables), table_stride=7))
+
+SHAPE = ffi.new("frAttentionShape*", SHAPE_FIELDS)
+
+def plan(ctx, library=lib):
+    box = ffi.new("frPlan*")
+    assert library.frPlanCreate(ctx, SHAPE, tree_c(), 1, box) == 0
+    return box[0]
+
+def context_calls(ctx):
+    return {
+        "frContextArch": (ctx, ffi.new("char**")),
+        "frPlanCreate": (ctx, SHAPE, tree_c(), 1, ffi.new("frPlan*")),
+        "frAppendKV": (ctx, p, p, p, p, p, 1, 8, 128, NULL),
+        "frPagedDecodeWorkspaceSize": (ctx, SHAPE, 1, 4, ffi.new("size_t*")),
+        "frPagedDecode": (ctx, SHAPE, p, p, p, p, p, 1, 4, p, NULL, 0, NULL),
+        "frDeviceAlloc": (ctx, 64, ffi.new("void**")),
+        "frDeviceFree": (ctx, p),
+        "frCopyToDevice": (ctx, p, ffi.new("char[8]"), 8),
+        "frCopyToHost": (ctx, ffi.new("char[8]"), p, 8),
+        "frStreamSynchronize": (ctx, NULL),
+        "frContextDestroy": (ctx,),
+    }
+
+def plan_calls(plan):
+    return {
+        "frPlanGetInfo": (plan, ffi.new("frPlanInfo*")),
+        "frPlanKernelName": (plan, 0, ffi.new("char**")),
+        "frPlanRun": (plan, p, p, p, p, NULL),
+        "frPlanUpdate": (plan, tree_c(), NULL),
+        "frPlanDestroy": (plan,),
+    }
+
+def try_all(calls, prefix=""):
+    for name, args in calls.items():
+        out[prefix + name] = call(name, *args)
+"""
+
+
+def misuse(body: str, library=None) -> dict:
+    """Runs `body` after MISUSE_PRELUDE in a fresh interpreter (no libcuda: host-only contexts);
+    returns the dict `out` it fills. A crash or a hang fails the test."""
+    constants = {"CDEF": capi.cdef_text(), "LIBRARY": str(library or capi.library_path()),
+                 "ROOT": str(capi.artifact_root()).encode(), "ARCH": ARCH.encode(), "SHAPE_FIELDS": SEED_SHAPE}
+    script = "".join(f"{name} = {value!r}\n" for name, value in constants.items())
+    script += MISUSE_PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FLASH_REASONING_LIBCUDA": "/nonexistent/libcuda"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, f"exit status {proc.returncode} (negative: killed by that signal)\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def functions_taking(parameter: str) -> set[str]:
+    """The header's functions with a parameter `parameter` (e.g. "frPlan plan")."""
+    text = " ".join(capi.header_path().read_text().split())
+    return {name for name, params in re.findall(r"\b(fr[A-Z]\w*)\(([^)]*)\)", text) if parameter in params}
+
+
+def refused(result, handle: str, *fragments) -> bool:
+    status, message = result
+    return status == FR_INVALID_ARGUMENT and message.startswith(handle + " 0x") and all(f in message for f in fragments)
+
+
+def test_misuse_tries_every_call_with_a_handle():
+    calls = misuse("""
+        ctx = context()
+        out["context"], out["plan"] = list(context_calls(ctx)), list(plan_calls(plan(ctx)))
+    """)
+    assert set(calls["context"]) == functions_taking("frContext context")
+    assert set(calls["plan"]) == functions_taking("frPlan plan")
+
+
+def test_destroyed_context_is_refused_by_every_call():
+    out = misuse("""
+        ctx = context()
+        out["destroy"] = call("frContextDestroy", ctx)
+        try_all(context_calls(ctx))
+        box = ffi.new("frPlan*", ffi.cast("frPlan", 0x5EED))
+        out["plan_untouched"] = [call("frPlanCreate", ctx, SHAPE, tree_c(), 1, box)[0],
+                                 int(ffi.cast("uintptr_t", box[0]))]
+    """)
+    assert out.pop("destroy") == [FR_OK, ""]
+    assert out.pop("plan_untouched") == [FR_INVALID_ARGUMENT, 0x5EED]
+    for name, result in out.items():  # frContextDestroy among them: destroyed twice
+        assert refused(result, "context", "was destroyed"), (name, result)
+
+
+def test_destroyed_plan_is_refused_by_every_call():
+    out = misuse("""
+        ctx = context()
+        doomed = plan(ctx)
+        out["destroy"] = call("frPlanDestroy", doomed)
+        try_all(plan_calls(doomed))
+        info = ffi.new("frPlanInfo*", dict(num_branches=-7))
+        out["info_untouched"] = [call("frPlanGetInfo", doomed, info)[0], info.num_branches]
+        out["context_lives"] = call("frContextArch", ctx, ffi.new("char**"))
+    """)
+    assert out.pop("destroy") == [FR_OK, ""] and out.pop("context_lives") == [FR_OK, ""]
+    assert out.pop("info_untouched") == [FR_INVALID_ARGUMENT, -7]
+    for name, result in out.items():  # frPlanDestroy among them: destroyed twice
+        assert refused(result, "plan", "was destroyed"), (name, result)
+
+
+def test_destroying_a_context_destroys_its_plans():
+    out = misuse("""
+        first, second = context(), context()
+        doomed, survivor = [plan(first), plan(first)], plan(second)
+        out["destroy"] = call("frContextDestroy", first)
+        for i, handle in enumerate(doomed):
+            try_all(plan_calls(handle), prefix=f"{i}:")
+        out["survivor"] = call("frPlanGetInfo", survivor, ffi.new("frPlanInfo*"))
+        out["survivor_destroy"] = call("frPlanDestroy", survivor)
+        out["second_destroy"] = call("frContextDestroy", second)
+    """)
+    for key in ("destroy", "survivor", "survivor_destroy", "second_destroy"):
+        assert out.pop(key) == [FR_OK, ""], key
+    assert len(out) == 10
+    for name, result in out.items():
+        assert refused(result, "plan", "was destroyed", "with its context"), (name, result)
+
+
+def test_garbage_and_foreign_handles_are_refused(tmp_path):
+    """Values the library never issued: small numbers, all ones, the address of live memory
+    (never read: it is not a handle), a plan passed as a context and the reverse, and the
+    handles of a second copy of the library loaded in the same process."""
+    copy = tmp_path / "libflash_reasoning_copy.so"
+    shutil.copy(capi.library_path(), copy)
+    out = misuse(f"""
+        ctx = context()
+        real_plan = plan(ctx)
+        other = ffi.dlopen({str(copy)!r})
+        other_ctx = context(other)
+        other_plan = plan(other_ctx, other)
+        memory = ffi.new("char[4096]", b"\\xff" * 4096)
+        garbage = {{"small": 0x5EED, "one": 1, "ones": 2**64 - 1, "memory": int(ffi.cast("uintptr_t", memory))}}
+        for label, value in garbage.items():
+            try_all(context_calls(ffi.cast("frContext", value)), prefix=f"context {{label}}:")
+            try_all(plan_calls(ffi.cast("frPlan", value)), prefix=f"plan {{label}}:")
+        try_all(context_calls(ffi.cast("frContext", real_plan)), prefix="context kind:")
+        try_all(plan_calls(ffi.cast("frPlan", ctx)), prefix="plan kind:")
+        try_all(context_calls(other_ctx), prefix="context foreign:")
+        try_all(plan_calls(other_plan), prefix="plan foreign:")
+        out["still_fine"] = [call("frPlanGetInfo", real_plan, ffi.new("frPlanInfo*")), call("frContextDestroy", ctx),
+                             other.frPlanDestroy(other_plan), other.frContextDestroy(other_ctx)]
+    """)
+    assert out.pop("still_fine") == [[FR_OK, ""], [FR_OK, ""], FR_OK, FR_OK]
+    assert len(out) == 6 * 16
+    for name, result in out.items():
+        handle, kind = name.split(":")[0].split()
+        expected = {"context kind": "is a plan handle, not a context",
+                    "plan kind": "is a context handle, not a plan"}.get(f"{handle} {kind}",
+                                                                        "is not a handle this library issued")
+        assert refused(result, handle, expected), (name, result)
+
+
+def test_threads_sharing_a_context_while_it_is_destroyed():
+    """Eight threads plan, inspect and destroy plans on one context while the main thread
+    destroys it: every call is FR_OK or says the handle was destroyed."""
+    out = misuse("""
+        ctx = context()
+        results = []
+        def worker():
+            for _ in range(200):
+                box = ffi.new("frPlan*")
+                got = [call("frPlanCreate", ctx, SHAPE, tree_c(), 1, box)]
+                if got[0][0] == 0:
+                    got += [call("frPlanGetInfo", box[0], ffi.new("frPlanInfo*")),
+                            call("frPlanKernelName", box[0], 0, ffi.new("char**")),
+                            call("frPlanDestroy", box[0])]
+                results.extend(got)
+        threads = [threading.Thread(target=worker) for _ in range(8)]
+        for t in threads:
+            t.start()
+        import time
+        time.sleep(0.05)
+        out["destroy"] = call("frContextDestroy", ctx)
+        for t in threads:
+            t.join()
+        out["ok"] = sum(r[0] == 0 for r in results)
+        out["refused"] = sorted({r[1].split(" ", 2)[-1] for r in results if r[0] != 0})
+        out["statuses"] = sorted({r[0] for r in results})
+    """)
+    assert out["destroy"] == [FR_OK, ""] and out["ok"] > 0
+    assert set(out["statuses"]) <= {FR_OK, FR_INVALID_ARGUMENT}, out
+    assert all(reason.startswith("was destroyed") for reason in out["refused"]), out["refused"]
+
+
 # ---------------------------------------------------------------- plans: validation (host-only)
 
 SMALL_BRANCHES = 256
@@ -346,7 +639,7 @@ def test_paged_decode_workspace_size_agrees_with_python(api, host_context, seq_l
 
 CAPI_PRELUDE = """
 from flash_reasoning import capi
-from test_capi import CApi, entry, length, small_problem
+from test_capi import SMALL_BRANCHES, CApi, entry, length, small_problem
 api = CApi()
 root = str(capi.artifact_root()).encode()
 """
@@ -374,9 +667,16 @@ def test_context_without_driver(tmp_path):
     assert out["negative"][0] == FR_INVALID_ARGUMENT and "device must be >= 0" in out["negative"][1]
 
 
-def test_fake_driver_context_and_memory(fake_libcuda):
-    out = in_fresh_interpreter("""
+def test_fake_driver_context_and_memory(tmp_path, fake_libcuda):
+    wrong_arch = tmp_path / "wrong" / "sm90" / "manifest.json"  # the fake device is an sm90
+    wrong_arch.parent.mkdir(parents=True)
+    manifest = json.loads((capi.artifact_root() / ARCH / "manifest.json").read_text())
+    wrong_arch.write_text(json.dumps(dict(manifest, arch="sm89")))
+    out = in_fresh_interpreter(f"""
         box = api.out("frContext")
+        wrong = api.out("frContext")
+        out["wrong_arch"] = [*api.call("frContextCreate", {str(wrong_arch.parent.parent).encode()!r}, 0, wrong),
+                             api.untouched(wrong)]
         out["create"] = api.call("frContextCreate", root, 0, box)
         context = box[0]
         arch = api.ffi.new("char**")
@@ -395,6 +695,9 @@ def test_fake_driver_context_and_memory(fake_libcuda):
         out["free"] = api.call("frDeviceFree", context, pointer[0])
     """, libcuda=fake_libcuda)
     assert out.pop("create") == [FR_OK, ""] and out.pop("arch") == "sm90"
+    status, message, untouched = out.pop("wrong_arch")
+    assert status == FR_INVALID_MANIFEST and untouched, message
+    assert str(wrong_arch) in message and "arch 'sm89'" in message and "folder 'sm90'" in message
     status, message, untouched = out.pop("bad_device")
     assert status == FR_CUDA_ERROR and "cuDeviceGet(3)" in message and "CUDA_ERROR_INVALID_DEVICE" in message
     assert untouched and out.pop("round_trip")
@@ -420,12 +723,26 @@ def test_fake_driver_plan_update(fake_libcuda):
         out["outgrown"] = update(length(0, 6 * 16 + 1))
         out["shrunk"] = update(length(2, 10))
         out["bad_entry"] = update(entry(0, 5, 4096))
+        out["negative_count"] = update(lambda p: setattr(p, "num_branches", -1))
+        out["negative_stride"] = update(lambda p: setattr(p, "stride", -1))
+        out["negative_length"] = update(lambda p: (setattr(p, "num_branches", 2), length(1, -1)(p)))
+        out["null_lengths"] = [*api.call("frPlanUpdate", plan, api.ffi.new("frTree*", dict(
+            num_branches=SMALL_BRANCHES, table_stride=7)), api.ffi.NULL), api.info(plan)]
         out["own_block"] = update(entry(1, 4, 900))  # outside the root: a leaf may move (copy-on-write)
         out["leaves_grew"] = update(lambda p: None)
         p = api.pointer(256)
         out["misaligned"] = api.call("frPlanRun", plan, api.pointer(8), p, p, p, api.ffi.NULL)
         out["append_negative"] = api.call("frAppendKV", context, p, p, p, p, p, -1, 8, 128, api.ffi.NULL)
         out["append_null"] = api.call("frAppendKV", context, p, p, api.ffi.NULL, p, p, 3, 8, 128, api.ffi.NULL)
+        out["append_no_heads"] = api.call("frAppendKV", context, p, p, p, p, p, 3, 0, 128, api.ffi.NULL)
+        out["append_negative_dim"] = api.call("frAppendKV", context, p, p, p, p, p, 3, 8, -1, api.ffi.NULL)
+        shape = small_problem().shape_c(api)
+        out["decode_negative"] = api.call("frPagedDecode", context, shape, p, p, p, p, p, -1, 4, p, api.ffi.NULL, 0,
+                                          api.ffi.NULL)
+        out["decode_no_columns"] = api.call("frPagedDecode", context, shape, p, p, p, p, p, 2, 0, p, api.ffi.NULL, 0,
+                                            api.ffi.NULL)
+        out["decode_null_out"] = api.call("frPagedDecode", context, shape, p, p, p, p, p, 2, 4, api.ffi.NULL,
+                                          api.ffi.NULL, 0, api.ffi.NULL)
     """, libcuda=fake_libcuda)
     status, message, created = out.pop("create")
     assert status == FR_OK, message
@@ -437,6 +754,11 @@ def test_fake_driver_plan_update(fake_libcuda):
         "outgrown": (FR_PLAN_MISMATCH, ["branch 0 needs 7 blocks, the plan holds 6", "extra_blocks"]),
         "shrunk": (FR_PLAN_MISMATCH, ["branch 2 shrank to 10 tokens"]),
         "bad_entry": (FR_INVALID_ARGUMENT, ["block_tables[0][5] is 4096"]),
+        # Checked before the tree is compared with the plan: bad input, not a changed tree.
+        "negative_count": (FR_INVALID_ARGUMENT, ["tree.num_branches must be >= 0, got -1"]),
+        "negative_stride": (FR_INVALID_ARGUMENT, ["tree.table_stride must be >= 0, got -1"]),
+        "negative_length": (FR_INVALID_ARGUMENT, ["tree.lengths[1] must be >= 0, got -1"]),
+        "null_lengths": (FR_INVALID_ARGUMENT, ["tree.lengths and tree.block_tables must not be NULL"]),
     }
     for key, (status, fragments) in rejected.items():
         got, message, info = out[key]
@@ -446,7 +768,9 @@ def test_fake_driver_plan_update(fake_libcuda):
         got, message, info = out[key]
         assert got == FR_OK and info == dict(created, logical_tokens=SMALL_BRANCHES * 81), (key, message, info)
     for key, fragment in [("misaligned", "q must be a non-NULL, 16-byte aligned"), ("append_negative", "num_tokens"),
-                          ("append_null", "slots must be a non-NULL")]:
+                          ("append_null", "slots must be a non-NULL"), ("append_no_heads", "got 3, 0, 128"),
+                          ("append_negative_dim", "got 3, 8, -1"), ("decode_negative", "got -1 and 4"),
+                          ("decode_no_columns", "got 2 and 0"), ("decode_null_out", "out must be a non-NULL")]:
         assert out[key][0] == FR_INVALID_ARGUMENT and fragment in out[key][1], (key, out[key])
 
 

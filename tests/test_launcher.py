@@ -8,6 +8,7 @@ library without the driver API, or at a fake driver compiled from FAKE_LIBCUDA b
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -70,11 +71,14 @@ out = {}
 """
 
 
-def isolated(body, libcuda):
-    """Runs `body` (which fills the dict `out`) in a fresh interpreter; returns `out`."""
+def isolated(body, libcuda, timeout=120, memory=None):
+    """Runs `body` (which fills the dict `out`) in a fresh interpreter, within `timeout` seconds
+    and, given `memory`, that many bytes of address space; returns `out`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FLASH_REASONING_LIBCUDA": str(libcuda)}
     script = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    limit = memory and (lambda: resource.setrlimit(resource.RLIMIT_AS, (memory, memory)))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limit or None, check=False)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -125,6 +129,59 @@ def test_invalid_json(tmp_path):
     folder = write_arch(tmp_path)
     (folder / "manifest.json").write_text('{"format": 1, "kernels": [}')
     raises(lambda: Launcher(folder, 0), "invalid JSON", "manifest.json")
+
+
+# What a file that is not a regular file is called in errors, and how a test makes one.
+NOT_REGULAR = {"fifo": "a FIFO", "dev_zero": "a character device", "directory": "a directory"}
+
+
+def make_not_regular(path, kind):
+    """Replaces `path` with a FIFO (an open would block until a writer comes), a link to
+    /dev/zero (endless bytes) or a directory."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev_zero":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+
+
+# A bound on the fresh interpreters that read such files: a hang or an endless read fails the
+# test in seconds, without taking the machine's memory.
+BOUNDS = {"timeout": 30, "memory": 2 << 30}
+
+
+@pytest.mark.parametrize("kind", NOT_REGULAR)
+def test_manifest_that_is_not_a_regular_file(tmp_path, kind):
+    folder = write_arch(tmp_path)
+    make_not_regular(folder / "manifest.json", kind)
+    out = isolated(f"out['load'] = attempt(lambda: L.Launcher({str(folder)!r}, 0))", "/nonexistent/libcuda", **BOUNDS)
+    assert out["load"]["code"] == 8  # kIoError
+    assert f"manifest {folder / 'manifest.json'} is {NOT_REGULAR[kind]}, not a regular file" in out["load"]["error"]
+
+
+@pytest.mark.parametrize("kind", NOT_REGULAR)
+def test_cubin_that_is_not_a_regular_file(tmp_path, fake_libcuda, kind):
+    folder = write_arch(tmp_path)
+    make_not_regular(folder / (NAME + ".cubin"), kind)
+    out = isolated(f"""
+        launcher = L.Launcher({str(folder)!r}, 0)
+        out["launch"] = attempt(lambda: launcher.launch({NAME!r}, (1, 1, 1), [0, 1, 1.0], 0))
+    """, fake_libcuda, **BOUNDS)
+    assert out["launch"]["code"] == 8
+    assert f"cubin {folder / (NAME + '.cubin')} is {NOT_REGULAR[kind]}, not a regular file" in out["launch"]["error"]
+
+
+def test_manifest_larger_than_any_manifest(tmp_path):
+    """A manifest is read whole: past 64 MiB (a hundred times a three-arch build's) it is not
+    one. The file is sparse: the test writes and reads nothing."""
+    folder = write_arch(tmp_path)
+    with open(folder / "manifest.json", "r+b") as f:
+        f.truncate((64 << 20) + 1)
+    err = raises(lambda: Launcher(folder, 0), f"manifest {folder / 'manifest.json'} is 67108865 bytes",
+                 "more than the 67108864")
+    assert err.code == 8
 
 
 @pytest.mark.parametrize("field", ["name", "entry", "cubin", "sha256", "params", "num_warps", "shared"])

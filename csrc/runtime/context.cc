@@ -33,6 +33,12 @@ Status Context::load(const std::string& artifact_root, const std::string& arch, 
   std::unique_ptr<Launcher> launcher;
   Status st = Launcher::open(join_path(artifact_root, arch), device < 0 ? 0 : device, &launcher);
   if (st.ok()) st = check_version(launcher->manifest());
+  // The folder names the arch the kernels are picked for; a manifest built for another would
+  // hand the device cubins it cannot run, or plans tuned for another GPU.
+  if (st.ok() && launcher->manifest().arch != arch)
+    st = Status::Error(Code::kInvalidManifest, "manifest " + join_path(launcher->manifest().dir, "manifest.json") +
+                                                   " is for arch '" + launcher->manifest().arch +
+                                                   "' but lies in folder '" + arch + "': the artifacts are mixed up");
   if (st.ok() && !launcher->manifest().dispatch.present())
     st = Status::Error(Code::kInvalidManifest, "manifest of " + arch + " has no dispatch rules: rebuild the artifacts");
   if (st.ok()) out->reset(new Context(std::move(launcher), device, num_sms));
@@ -57,6 +63,12 @@ Status Context::open(const std::string& artifact_root, int device, std::unique_p
 
 Status Context::open_host_only(const std::string& artifact_root, const std::string& arch,
                                std::unique_ptr<Context>* out, int num_sms) {
+  // An arch names a folder directly under the root ("sm90"), never a path ("../sm90").
+  bool well_formed = arch.size() > 2 && arch.size() <= 6 && arch.compare(0, 2, "sm") == 0 &&
+                     arch.find_first_not_of("0123456789", 2) == std::string::npos;
+  if (!well_formed)
+    return Status::Error(Code::kInvalidArgument, "arch must be 'sm' followed by digits (a folder of the artifact "
+                                                 "root, e.g. 'sm90'), got '" + arch + "'");
   if (num_sms < 1) return Status::Error(Code::kInvalidArgument, "num_sms must be >= 1, got " + std::to_string(num_sms));
   return load(artifact_root, arch, -1, num_sms, out);
 }

@@ -29,6 +29,10 @@ bool parse_param_type(const std::string& type, ParamType* out) {
 
 namespace {
 
+// A manifest is read whole into memory: a hundred times what a build writes (about 600 KB an arch)
+// is no manifest.
+constexpr size_t kMaxManifestBytes = size_t(64) << 20;
+
 // Field readers: each names the offending field ("kernels[2].num_warps") in its error.
 class Validator {
  public:
@@ -274,7 +278,7 @@ Status DispatchTable::constant(const std::string& name, int64_t* value) const {
 Status load_manifest(const std::string& arch_dir, Manifest* out) {
   std::string path = join_path(arch_dir, "manifest.json");
   std::string text;
-  Status st = read_file(path, "manifest", &text);
+  Status st = read_file(path, "manifest", &text, kMaxManifestBytes);
   if (!st.ok()) return st;
   JsonValue root;
   st = parse_json(text, &root);

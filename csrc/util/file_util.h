@@ -1,6 +1,8 @@
 // Whole-file reads with Status errors that name the path.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -8,8 +10,11 @@
 
 namespace flash_reasoning {
 
-// Reads `path` into `out`. kNotFound when the file does not exist, kIoError otherwise.
-Status read_file(const std::string& path, const char* what, std::string* out);
+// Reads `path` (what it is, e.g. "manifest", names it in errors) into `out`. kNotFound when it
+// does not exist; kIoError when it cannot be read, is not a regular file (a FIFO would block,
+// a device never end), or holds more than `max_bytes`. Never blocks on the open and never reads
+// past the size the file had when opened.
+Status read_file(const std::string& path, const char* what, std::string* out, size_t max_bytes = SIZE_MAX);
 
 // Names of the sub-folders of `dir` that hold a file `marker`, sorted. kNotFound when `dir`
 // is not a readable folder.

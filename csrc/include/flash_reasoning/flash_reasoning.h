@@ -21,7 +21,14 @@
  * - Host arrays are read during the call only.
  * - Run calls are asynchronous on the given stream and never synchronise or allocate, so they
  *   can be captured in a CUDA graph.
- * - A context may be shared by threads; a plan is used by one thread at a time.
+ * - Handles (frContext, frPlan) are checked against the live ones before any use: a destroyed,
+ *   doubly destroyed, garbage or foreign handle (one of another copy of the library, or a plan
+ *   passed as a context) gets FR_INVALID_ARGUMENT with a message saying which, never a crash.
+ *   Handles are opaque values, not addresses: never dereference one. They are not reused, so
+ *   a destroyed handle never names a newer object.
+ * - A context may be shared by threads; a plan is used by one thread at a time. Destroying a
+ *   context or plan while another thread is inside a call on it is safe: that call finishes on
+ *   the live object, later calls get FR_INVALID_ARGUMENT.
  * - The caller's thread must have the device's context current, or none (then the device's
  *   primary context is made current, the one the CUDA runtime uses).
  *
@@ -108,13 +115,20 @@ const char* frVersion(void);
 
 /* ---- context -------------------------------------------------------------------------- */
 /* artifact_root holds one folder per arch (sm80/, sm89/, sm90/), each with manifest.json and
- * cubins: the package's flash_reasoning/_artifacts. Selects the arch serving `device`. */
+ * cubins: the package's flash_reasoning/_artifacts. Selects the arch serving `device`.
+ * Both constructors refuse a manifest whose "arch" differs from its folder's name
+ * (FR_INVALID_MANIFEST), and artifact files that are not regular files, such as a FIFO or a
+ * link to a device (FR_IO_ERROR), before opening them for a blocking or endless read. */
 frStatus frContextCreate(const char* artifact_root, int device, frContext* out);
-/* A context for planning without a GPU: `arch` (e.g. "sm90") names the folder to read. Plans
- * validate and plan (frPlanGetInfo works) but allocate nothing; runs, updates, appends and
- * memory calls return FR_DRIVER_UNAVAILABLE. Plans assume 132 SMs (an H100). */
+/* A context for planning without a GPU: `arch`, "sm" and digits (e.g. "sm90"), names the
+ * folder directly under artifact_root to read; anything else (e.g. "../sm90") is
+ * FR_INVALID_ARGUMENT. Plans validate and plan (frPlanGetInfo works) but allocate nothing;
+ * runs, updates, appends and memory calls return FR_DRIVER_UNAVAILABLE. Plans assume 132 SMs
+ * (an H100). */
 frStatus frContextCreateHostOnly(const char* artifact_root, const char* arch, frContext* out);
-/* Destroy a context after the plans made from it. NULL is a no-op. */
+/* Destroys the context and every plan made from it that is still alive: later calls on those
+ * plans get FR_INVALID_ARGUMENT, frPlanDestroy included (whatever the order of the destroy
+ * calls, nothing leaks). NULL is a no-op; a context destroyed already is FR_INVALID_ARGUMENT. */
 frStatus frContextDestroy(frContext context);
 /* The arch folder in use, e.g. "sm90"; valid while the context lives. */
 frStatus frContextArch(frContext context, const char** arch);
@@ -126,20 +140,24 @@ frStatus frContextArch(frContext context, const char** arch);
 frStatus frPlanCreate(frContext context, const frAttentionShape* shape, const frTree* tree,
                       int32_t extra_blocks, frPlan* out);
 frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info);
-/* The manifest name of the kernel that launch `launch` (0 <= launch < num_launches) of the next
+/* The manifest name of the kernel that launch `launch` (0 <= launch < num_launches) of
  * frPlanRun runs: the partial launches, then the final or merge kernel (for logs and tests:
- * which specialization dispatch picked, e.g. one compiled for 16-token pages). Valid while the
- * context lives; the final kernel's name can change with frPlanUpdate. */
+ * which specialization dispatch picked, e.g. one compiled for 16-token pages). Kernels are
+ * picked when the plan is created and kept through frPlanUpdate, so a CUDA graph captured
+ * from frPlanRun stays valid. Valid while the plan lives. */
 frStatus frPlanKernelName(frPlan plan, int32_t launch, const char** name);
 /* out[i] = softmax(q[i] K_i^T * sm_scale) V_i over branch i's tokens, in one layer's pools. */
 frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v_pool, void* out,
                    void* stream);
 /* The next decode step without re-planning: same branches, each at least as long as before
  * and holding the same blocks over the ranges the plan reads once for several branches.
- * Otherwise FR_PLAN_MISMATCH (the plan is unchanged: create a new one). Enqueues the copy of
- * the new lengths and tables on `stream`, ordered before later runs on it. */
+ * Otherwise FR_PLAN_MISMATCH (the plan is unchanged: create a new one). A tree invalid in
+ * itself (a negative count, length or stride, NULL arrays) is FR_INVALID_ARGUMENT, checked
+ * before the tree is compared with the plan. Enqueues the copy of the new lengths and tables
+ * on `stream`, ordered before later runs on it. */
 frStatus frPlanUpdate(frPlan plan, const frTree* tree, void* stream);
-/* NULL is a no-op. */
+/* NULL is a no-op; a plan destroyed already (by frPlanDestroy or with its context) is
+ * FR_INVALID_ARGUMENT. */
 frStatus frPlanDestroy(frPlan plan);
 
 /* ---- KV cache writes and paged decode ----------------------------------------------- */
