@@ -272,8 +272,14 @@ def test_calls_refuse_null_outputs_and_bad_sizes(api, host_context):
         ("frCopyToDevice", (host_context, api.pointer(256), null, 8), "dst and src must not be NULL"),
         ("frPagedDecodeWorkspaceSize", (host_context, shape, 2, 4, null), "bytes must not be NULL"),
         ("frPagedDecodeWorkspaceSize", (host_context, null, 2, 4, api.ffi.new("size_t*")), "shape must not be NULL"),
-        ("frPagedDecodeWorkspaceSize", (host_context, shape, -1, 4, api.ffi.new("size_t*")), "got -1 and 4"),
-        ("frPagedDecodeWorkspaceSize", (host_context, shape, 2, 0, api.ffi.new("size_t*")), "got 2 and 0"),
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, -1, 4, api.ffi.new("size_t*")), "num_seqs must be in [0, 2^31), got -1"),
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, 2, 0, api.ffi.new("size_t*")),
+         "max_blocks must be in [1, 2^31), got 0"),
+        # Sizes the kernels cannot index in int32 are refused here, as frPagedDecode refuses them.
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, 1, 2**31 - 1, api.ffi.new("size_t*")),
+         "tokens per sequence: the kernels index tokens in int32"),
+        ("frPagedDecodeWorkspaceSize", (host_context, shape, 2**31 - 1, 2, api.ffi.new("size_t*")),
+         "the kernels index them in int32"),
         ("frPagedDecodeWorkspaceSize", (host_context, api.ffi.new("frAttentionShape*", dict(SEED_SHAPE, dtype=0)),
                                         2, 4, api.ffi.new("size_t*")), "frDtype 0"),
     ]
@@ -769,8 +775,8 @@ def test_fake_driver_plan_update(fake_libcuda):
         assert got == FR_OK and info == dict(created, logical_tokens=SMALL_BRANCHES * 81), (key, message, info)
     for key, fragment in [("misaligned", "q must be a non-NULL, 16-byte aligned"), ("append_negative", "num_tokens"),
                           ("append_null", "slots must be a non-NULL"), ("append_no_heads", "got 3, 0, 128"),
-                          ("append_negative_dim", "got 3, 8, -1"), ("decode_negative", "got -1 and 4"),
-                          ("decode_no_columns", "got 2 and 0"), ("decode_null_out", "out must be a non-NULL")]:
+                          ("append_negative_dim", "got 3, 8, -1"), ("decode_negative", "num_seqs must be in [0, 2^31), got -1"),
+                          ("decode_no_columns", "max_blocks must be in [1, 2^31), got 0"), ("decode_null_out", "out must be a non-NULL")]:
         assert out[key][0] == FR_INVALID_ARGUMENT and fragment in out[key][1], (key, out[key])
 
 
