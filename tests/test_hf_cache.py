@@ -89,14 +89,16 @@ def test_fork_and_regroup_copy_no_blocks(models):
     assert cache.allocator.memory_report().blocks_used == used + 5
 
 
-def test_transformers_beam_search_reorders_through_the_allocator(models):
-    """transformers' own beam-search loop over a TreeCache (reorder_cache each step) gives
-    its sequences with its DynamicCache."""
+@pytest.mark.parametrize("beams", [1, 3], ids=["greedy", "beams"])
+def test_transformers_generate_runs_over_a_tree_cache(models, beams):
+    """transformers' own greedy and beam-search loops over a TreeCache (beams reordered by
+    reorder_cache each step) give its sequences with its DynamicCache."""
     model, ref = models
     prompt = tokens(11, 2)[None]
     cache = TreeCache(model, 256, 4)
-    cache.set_batch([cache.new_branch() for _ in range(3)])
-    args = {"num_beams": 3, "num_return_sequences": 3, "max_new_tokens": 12, "do_sample": False}
+    cache.set_batch([cache.new_branch() for _ in range(beams)])
+    args = {"num_beams": beams, "num_return_sequences": beams, "max_new_tokens": 12,
+            "do_sample": False}
     ours = model.generate(prompt, past_key_values=cache, **args)
     theirs = ref.generate(prompt, **args)
     assert torch.equal(ours, theirs)

@@ -99,8 +99,9 @@ def test_thought_tree_grandchildren_continue_generated_thoughts():
     a1, a2 = tree.expand(a, [[4, 5, 6], []])
     tree.prune(b)
     assert not b.alive and tree.leaves() == [a1, a2]
-    generated = tree.generate([a1, a2], 9)
-    for node, got in zip((a1, a2), generated):
+    first = tree.generate([a1, a2], 9)
+    more = tree.generate([a1], 4)[0]  # again from a1: its pending token is fed first
+    for node, got in ((a1, first[0] + more), (a2, first[1])):
         history = node.path_tokens()[:-len(got)]
         theirs, _ = hf_greedy(ref, torch.tensor(history)[None], len(got))
         assert got == theirs[0].tolist()
