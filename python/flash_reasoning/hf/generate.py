@@ -25,6 +25,7 @@ from transformers.generation.logits_process import (
 from ..ops.checks import as_int
 from .cache import TreeCache
 from .decoder import TreeDecoder
+from .support import check_enabled
 
 #: Default KV block size (tokens) of the caches these functions make.
 BLOCK_SIZE = 16
@@ -81,6 +82,7 @@ def sample(model, prompt: Sequence[int] | torch.Tensor, n: int, max_new_tokens: 
     to ``max_new_tokens`` tokens. ``first_tokens`` forces each continuation's first token
     (``n`` of them). ``share_prompt=False`` gives each continuation its own copy of the
     prompt's K/V (the no-sharing baseline; pair it with ``TreeCache(attention="paged")``)."""
+    check_enabled(model)
     prompt = _prompt(prompt)
     n = as_int("n", n, low=1)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
@@ -134,6 +136,7 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
     top ``max(2, 1 + #eos) * num_beams`` candidates each step, finished hypotheses kept by
     score / length ** ``length_penalty``, its ``early_stopping`` heuristics), with the
     prompt prefilled once and each step's beams made by forking and freeing branches."""
+    check_enabled(model)
     prompt = _prompt(prompt)
     k = as_int("num_beams", num_beams, low=1)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
@@ -293,6 +296,7 @@ class ThoughtTree:
     def __init__(self, model, prompt: Sequence[int] | torch.Tensor, *, max_tokens: int = 32768,
                  cache: TreeCache | None = None, cuda_graphs: bool | None = None,
                  block_size: int = BLOCK_SIZE) -> None:
+        check_enabled(model)
         prompt = _prompt(prompt)
         self.cache = cache or TreeCache(model, -(-max_tokens // block_size) + 2, block_size)
         self.decoder = TreeDecoder(model, self.cache, cuda_graphs)
