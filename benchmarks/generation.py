@@ -1,0 +1,458 @@
+"""End-to-end parallel sampling through flash_reasoning.hf, beside transformers' own
+``generate`` and beside our no-sharing loop, on random-weight models of real shapes.
+
+For each model shape, prompt length and number of continuations ``n``: the prompt is
+prefilled once and each of ``n`` continuations forced to its own first token, then decoded
+greedily for ``--new-tokens`` tokens in total. Three paths:
+
+- ``tree``: TreeCache + TreeAttentionPlan (the prompt stored and read once per step), CUDA
+  graphs on CUDA;
+- ``no_sharing``: the same loop and graphs, each continuation storing its whole path
+  (``fork(share=False)``) read by ``paged_decode``;
+- ``transformers``: ``model.generate`` on the ``n`` rows prompt + first token, its default
+  attention (sdpa) and cache.
+
+Per path: decode tokens per second and the median time per step (CUDA events between steps:
+everything the loop does), the time per step in attention kernels and its share of the step
+(torch.profiler over a few eager steps, kernels named like attention), peak GPU memory, and,
+with ``--fit-search``, the largest ``n`` that fits (doubling, then bisection). Tokens are
+compared path against path (greedy: they should be identical; ``first_mismatch`` says where
+they are not). JSON (``--json``) and a figure (``--figure``, with matplotlib).
+
+``python benchmarks/generation.py [--models llama3-8b,qwen2.5-7b] [--prompts 2048,8192]
+[--n 1,8,64,256] [--new-tokens 128] [--fit-search] [--json out.json] [--figure out.png]``;
+``--smoke`` runs a tiny model on CPU end to end (what the test runs).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+from flash_reasoning.hf import TreeCache, TreeDecoder
+from flash_reasoning.hf.generate import BLOCK_SIZE, blocks_for
+from flash_reasoning.hf.models import random_model
+
+#: Real models' shapes (random weights).
+SHAPES = {
+    "llama3-8b": {"arch": "llama", "num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                  "num_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+                  "vocab_size": 128256,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+    "qwen2.5-7b": {"arch": "qwen2", "num_qo_heads": 28, "num_kv_heads": 4, "head_dim": 128,
+                   "num_layers": 28, "hidden_size": 3584, "intermediate_size": 18944,
+                   "vocab_size": 152064,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+}
+SMOKE_SHAPES = {
+    "tiny-llama": {"arch": "llama", "num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 64,
+                   "num_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                   "vocab_size": 256},
+}
+PATHS = ("tree", "no_sharing", "transformers")
+#: Kernel-name fragments of attention: ours (the AOT entry points), then transformers' sdpa
+#: backends (flash, memory-efficient, cuDNN).
+OUR_ATTENTION_KERNELS = ("tree_partial", "tree_final", "tree_merge", "paged_decode",
+                         "merge_splits")
+SDPA_KERNELS = ("flash", "fmha", "attention", "attn")
+PROFILED_STEPS = 3
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.models}
+    report = {"meta": meta(device, args), "results": [], "largest_n": []}
+    for name, shape in shapes.items():
+        model = random_model(**shape, dtype=args.dtype, device=device, seed=args.seed,
+                             init_std=args.init_std)
+        for prompt_len in args.prompts:
+            prompt = torch.randint(0, shape["vocab_size"], (prompt_len,),
+                                   generator=torch.Generator().manual_seed(prompt_len))
+            prompt = prompt.to(device)
+            for n in args.n:
+                row = run_config(model, prompt, n, args.new_tokens)
+                row.update(model=name, prompt=prompt_len, n=n)
+                report["results"].append(row)
+                print(summary(row), flush=True)
+            if args.fit_search:
+                fits = {path: largest_n(model, prompt, args.new_tokens, path, args.n)
+                        for path in PATHS}
+                report["largest_n"].append({"model": name, "prompt": prompt_len, **fits})
+                print(f"{name} prompt {prompt_len}: largest n {fits}", flush=True)
+        del model
+        release(device)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.figure:
+        figure(report, args.figure)
+    return 0
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(SHAPES))
+    parser.add_argument("--prompts", type=_ints, default=[2048, 8192])
+    parser.add_argument("--n", type=_ints, default=[1, 8, 64, 256])
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", type=lambda s: getattr(torch, s), default=torch.bfloat16)
+    parser.add_argument("--init-std", type=float, default=0.02,
+                        help="weights' std (a trained model's scale; larger makes greedy "
+                             "choices less tie-prone)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit-search", action="store_true",
+                        help="find the largest n each path fits (doubling, then bisection)")
+    parser.add_argument("--json")
+    parser.add_argument("--figure")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model on CPU, float32, short runs: the pipeline end to end")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.new_tokens = [24], [1, 3], 6
+        args.dtype, args.init_std, args.fit_search = torch.float32, 0.4, False
+        torch.set_num_threads(1)  # tiny matmuls: more threads only contend
+    return args
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+# ---- one configuration ---------------------------------------------------------------------
+
+def run_config(model, prompt, n: int, new_tokens: int) -> dict:
+    """Every path on one (prompt, n); their tokens compared."""
+    first = first_tokens(n, model.config.vocab_size)
+    row, tokens = {}, {}
+    for path in PATHS:
+        result, tokens[path] = guarded(run_path, model, prompt, n, new_tokens, first, path)
+        if result.get("attention_ms_per_step") is not None and result.get("step_ms_median"):
+            # Attention kernels (profiled eager steps) against the loop's step (graphs).
+            result["attention_share_of_step"] = (result["attention_ms_per_step"]
+                                                 / result["step_ms_median"])
+        row[path] = result
+    for a, b in (("tree", "transformers"), ("tree", "no_sharing")):
+        row[f"{a}_vs_{b}"] = compare(tokens[a], tokens[b])
+    return row
+
+
+def run_path(model, prompt, n, new_tokens, first, path):
+    if path == "transformers":
+        return run_transformers(model, prompt, n, new_tokens, first)
+    return run_ours(model, prompt, n, new_tokens, first, share=path == "tree")
+
+
+def run_ours(model, prompt, n, new_tokens, first, share: bool):
+    """Prefill once, fork (or copy) n times, decode with CUDA graphs where available."""
+    device = prompt.device
+    reset_peak(device)
+    copies = 0 if share else n
+    cache = TreeCache(model, blocks_for(prompt.numel(), n, new_tokens, copies),
+                      BLOCK_SIZE, attention="tree" if share else "paged")
+    decoder = TreeDecoder(model, cache)
+    root = cache.new_branch()
+    start = time.perf_counter()
+    decoder.extend(root, prompt)
+    branches = cache.fork(root, n, share=share)
+    cache.free(root)
+    cache.set_batch(branches)
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    tokens = torch.tensor(first, device=device)
+    out, marks = [tokens], [event(device)]
+    for _ in range(new_tokens - 1):
+        tokens = decoder.decode(tokens).argmax(-1)
+        out.append(tokens)
+        marks.append(event(device))
+    sync(device)
+    result = step_stats(marks, n, device)
+    result.update(prefill_s=prefill_s, peak_memory_bytes=peak(device),
+                  kv_memory=cache.allocator.memory_report().to_dict(),
+                  graph_captures=decoder.captures)
+    result.update(attention_profile(lambda t: TreeDecoder(model, cache, cuda_graphs=False)
+                                    .decode(t).argmax(-1), tokens, OUR_ATTENTION_KERNELS,
+                                    device))
+    return result, torch.stack(out, 1).cpu()
+
+
+def run_transformers(model, prompt, n, new_tokens, first):
+    """``generate`` over the n rows prompt + first token: transformers' sdpa and cache."""
+    device = prompt.device
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        reset_peak(device)
+        rows = torch.cat([prompt.expand(n, -1), torch.tensor(first, device=device)[:, None]], 1)
+        marks = []
+        marker = StepMarker(marks, device)
+        start = time.perf_counter()
+        out = model.generate(rows, attention_mask=torch.ones_like(rows), do_sample=False,
+                             max_new_tokens=new_tokens - 1, min_new_tokens=new_tokens - 1,
+                             logits_processor=[marker], pad_token_id=0)
+        sync(device)
+        total_s = time.perf_counter() - start
+        result = step_stats(marks, n, device)
+        result.update(total_s=total_s, peak_memory_bytes=peak(device))
+        tokens = torch.cat([torch.tensor(first)[:, None], out[:, rows.shape[1]:].cpu()], 1)
+        if device.type == "cuda":  # its own prefill again: may not fit where generate did
+            try:
+                result.update(transformers_attention_profile(model, rows, device))
+            except torch.cuda.OutOfMemoryError:
+                release(device)
+                result["attention_profile"] = "out of memory"
+        return result, tokens
+    finally:
+        model.set_attn_implementation(previous)
+
+
+class StepMarker:
+    """A logits processor that records an event per call: one per decode step (the first
+    after the prefill)."""
+
+    def __init__(self, marks: list, device) -> None:
+        self.marks, self.device = marks, device
+
+    def __call__(self, input_ids, scores):
+        self.marks.append(event(self.device))
+        return scores
+
+
+def transformers_attention_profile(model, rows, device) -> dict:
+    """transformers' own decode steps (its DynamicCache) under the profiler, after a prefill
+    of ``rows``."""
+    from transformers import DynamicCache
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        logits = model(rows, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+
+        def step(tokens):
+            return model(tokens[:, None], past_key_values=cache,
+                         use_cache=True).logits[:, -1].argmax(-1)
+
+        return attention_profile(step, logits[:, -1].argmax(-1), SDPA_KERNELS, device)
+
+
+def attention_profile(step, tokens, names, device) -> dict:
+    """Kernel time per step in attention (kernels whose name holds one of ``names``) and in
+    all, over :data:`PROFILED_STEPS` eager steps; the busiest kernels, to check the names."""
+    if device.type != "cuda":
+        return {"attention_ms_per_step": None, "kernel_ms_per_step": None,
+                "attention_share_of_kernels": None}
+    from torch.profiler import ProfilerActivity, profile
+    tokens = step(tokens)  # warm: plans and launches made outside the profile
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch.no_grad():
+            for _ in range(PROFILED_STEPS):
+                tokens = step(tokens)
+        sync(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time_total for e in kernels) / 1e3 / PROFILED_STEPS
+    attention = sum(e.device_time_total for e in kernels
+                    if any(name in e.name.lower() for name in names)) / 1e3 / PROFILED_STEPS
+    busiest = {}
+    for e in kernels:
+        busiest[e.name] = busiest.get(e.name, 0.0) + e.device_time_total / 1e3 / PROFILED_STEPS
+    top = sorted(busiest.items(), key=lambda kv: -kv[1])[:8]
+    return {"attention_ms_per_step": attention, "kernel_ms_per_step": total,
+            "attention_share_of_kernels": attention / total if total else None,
+            "top_kernels_ms_per_step": dict(top)}
+
+
+def step_stats(marks, n, device) -> dict:
+    """Per-step times from consecutive marks (the first two steps left out: the eager step
+    and the capture of a new tree)."""
+    times = [elapsed_ms(a, b, device) for a, b in itertools.pairwise(marks)]
+    timed = times[2:] if len(times) > 4 else times
+    if not timed:
+        return {"steps": 0}
+    step_ms = statistics.median(timed)
+    return {"steps": len(times), "step_ms_median": step_ms,
+            "step_ms_min": min(timed), "step_ms_max": max(timed),
+            "decode_tokens_per_s": n * len(timed) / (sum(timed) / 1e3)}
+
+
+def compare(a: torch.Tensor | None, b: torch.Tensor | None) -> dict:
+    if a is None or b is None:
+        return {"compared": False}
+    equal = a == b
+    mismatched = (~equal).any(dim=0).nonzero()
+    return {"compared": True, "identical": bool(equal.all()),
+            "token_agreement": float(equal.float().mean()),
+            "first_mismatch_step": int(mismatched[0]) if mismatched.numel() else None}
+
+
+def first_tokens(n: int, vocab: int) -> list[int]:
+    """A distinct first token per continuation (spread over the vocabulary)."""
+    return [(17 + i * 7919) % vocab for i in range(n)]
+
+
+# ---- the largest n that fits ---------------------------------------------------------------
+
+def largest_n(model, prompt, new_tokens, path, listed) -> int | None:
+    """The largest n whose run fits (our paths: the pool for every token, prefill, fork and
+    two decode steps; transformers: the whole generate), by doubling from the largest
+    listed n that fits, then bisection."""
+    def fits(n):
+        ok, _ = guarded(probe, model, prompt, n, new_tokens, path)
+        return ok.get("ok", False)
+
+    good = max((n for n in listed if fits(n)), default=None)
+    if good is None:
+        return None
+    bad = good * 2
+    while fits(bad):
+        good, bad = bad, bad * 2
+        if bad > 1 << 20:
+            return good
+    while bad - good > max(1, good // 16):  # within 1/16
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def probe(model, prompt, n, new_tokens, path):
+    first = first_tokens(n, model.config.vocab_size)
+    if path == "transformers":
+        previous = model.config._attn_implementation
+        model.set_attn_implementation("sdpa")
+        try:
+            rows = torch.cat([prompt.expand(n, -1),
+                              torch.tensor(first, device=prompt.device)[:, None]], 1)
+            model.generate(rows, attention_mask=torch.ones_like(rows), do_sample=False,
+                           max_new_tokens=new_tokens - 1, min_new_tokens=new_tokens - 1,
+                           pad_token_id=0)
+        finally:
+            model.set_attn_implementation(previous)
+        return {"ok": True}, None
+    share = path == "tree"
+    cache = TreeCache(model, blocks_for(prompt.numel(), n, new_tokens, 0 if share else n),
+                      BLOCK_SIZE, attention="tree" if share else "paged")
+    decoder = TreeDecoder(model, cache, cuda_graphs=False)
+    root = cache.new_branch()
+    decoder.extend(root, prompt)
+    cache.set_batch(cache.fork(root, n, share=share))
+    cache.free(root)
+    tokens = torch.tensor(first, device=prompt.device)
+    for _ in range(2):
+        tokens = decoder.decode(tokens).argmax(-1)
+    sync(prompt.device)
+    return {"ok": True}, None
+
+
+# ---- plumbing --------------------------------------------------------------------------
+
+def guarded(fn, *args):
+    """``fn(*args)`` -> (result, tokens); out of memory -> ({"ok": False, "error": ...},
+    None), everything it held released."""
+    try:
+        result, tokens = fn(*args)
+        result["ok"] = True
+        return result, tokens
+    except torch.cuda.OutOfMemoryError as error:
+        message = str(error).splitlines()[0]
+    release(args[1].device)
+    return {"ok": False, "error": f"out of memory: {message}"}, None
+
+
+def release(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def event(device):
+    if device.type == "cuda":
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+    return time.perf_counter()
+
+
+def elapsed_ms(a, b, device) -> float:
+    return a.elapsed_time(b) if device.type == "cuda" else (b - a) * 1e3
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device) -> None:
+    release(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak(device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def meta(device, args) -> dict:
+    import transformers
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "dtype": str(args.dtype),
+            "new_tokens": args.new_tokens, "init_std": args.init_std}
+
+
+def summary(row) -> str:
+    parts = [f"{row['model']} prompt {row['prompt']} n {row['n']}:"]
+    for path in PATHS:
+        result = row[path]
+        if not result.get("ok"):
+            parts.append(f"{path} OOM")
+            continue
+        share = result.get("attention_share_of_step")
+        parts.append(f"{path} {result.get('decode_tokens_per_s', math.nan):.0f} tok/s "
+                     f"{result.get('step_ms_median', math.nan):.2f} ms/step"
+                     + (f" attn {share:.0%}" if share is not None else ""))
+    parts.append(f"identical: {row['tree_vs_transformers'].get('identical')}"
+                 f"/{row['tree_vs_no_sharing'].get('identical')}")
+    return " | ".join(parts)
+
+
+def figure(report, out_path) -> None:
+    """Decode tokens/s against n, per model (a panel each), per path and prompt length."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("figure skipped: matplotlib is not installed (pip install .[plot])")
+        return
+    models = list(dict.fromkeys(row["model"] for row in report["results"]))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    styles = {"tree": "o-", "no_sharing": "s--", "transformers": "^:"}
+    for ax, model in zip(axes[0], models):
+        rows = [row for row in report["results"] if row["model"] == model]
+        for prompt in sorted({row["prompt"] for row in rows}):
+            for path in PATHS:
+                points = [(row["n"], row[path]["decode_tokens_per_s"]) for row in rows
+                          if row["prompt"] == prompt and row[path].get("ok")
+                          and "decode_tokens_per_s" in row[path]]
+                if points:
+                    ax.plot(*zip(*points), styles[path], label=f"{path}, prompt {prompt}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("parallel samples n")
+        ax.set_ylabel("decode tokens / s")
+        ax.set_title(f"{model} ({report['meta']['device']})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Random-weight models of real architectures, in any shape: what the tests and the
+generation benchmark decode (no download: the weights come from a seed)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from .support import ATTN_IMPLEMENTATION
+
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM),
+                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def random_model(arch: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 num_layers: int = 2, hidden_size: int | None = None,
+                 intermediate_size: int | None = None,
+                 vocab_size: int = 128, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", seed: int = 0, init_std: float = 0.4,
+                 attn_implementation: str = ATTN_IMPLEMENTATION, **config_kwargs):
+    """A model of ``arch`` (``llama`` or ``qwen2``) with these attention shapes and weights
+    drawn from ``seed`` (std ``init_std``: 0.4 makes a tiny model's greedy choices varied and
+    its top-2 logit gaps far above float32 rounding), in eval mode. ``hidden_size``
+    defaults to the smallest multiple of the query heads from 32 (transformers requires a
+    multiple); ``config_kwargs`` go to the config (``rope_theta``, ...)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    config_class, model_class = ARCHITECTURES[arch]
+    hidden_size = hidden_size or -(-32 // num_qo_heads) * num_qo_heads
+    config = config_class(vocab_size=vocab_size, hidden_size=hidden_size,
+                          intermediate_size=intermediate_size or 2 * hidden_size,
+                          num_hidden_layers=num_layers, num_attention_heads=num_qo_heads,
+                          num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                          max_position_embeddings=1 << 16, initializer_range=init_std,
+                          bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                          **config_kwargs)
+    torch.manual_seed(seed)
+    with torch.device(device):  # made in place, in its dtype: no float32 copy of a big model
+        model = model_class._from_config(config, dtype=dtype).eval()
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def twin(model, attn_implementation: str = "sdpa"):
+    """A second model with ``model``'s weights and its own config (attention implementations
+    live in the config, so the twin's choice does not change the original's)."""
+    other = copy.deepcopy(model)  # the config too: one new config for all its modules
+    other.set_attn_implementation(attn_implementation)
+    return other

@@ -1,0 +1,130 @@
+"""flash_reasoning.hf.attention: the function registered as attn_implementation
+"tree_attention": extend steps (several tokens on a branch that already holds some) match
+transformers' attention, and every input it cannot honour is refused, naming it."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import gpu
+from flash_reasoning.hf import ATTN_IMPLEMENTATION, TreeCache, tree_attention_forward
+from flash_reasoning.hf.models import random_model, twin
+from transformers import AttentionInterface
+
+FP32 = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models():
+    model = random_model("qwen2", 12, 4, 16, num_layers=2)
+    return model, twin(model)
+
+
+def run(model, cache, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, past_key_values=cache, position_ids=cache.position_ids(ids.shape[1]),
+                     use_cache=True, **kwargs).logits
+
+
+def test_registered_under_its_name():
+    assert AttentionInterface._global_mapping[ATTN_IMPLEMENTATION] is tree_attention_forward
+
+
+def test_extend_steps_match_transformers(models):
+    """A prompt, then continuations of several tokens on forks: every position's logits."""
+    model, ref = models
+    gen = torch.Generator().manual_seed(0)
+    prompt, more = torch.randint(0, 128, (9,), generator=gen), torch.randint(0, 128, (2, 6),
+                                                                               generator=gen)
+    cache = TreeCache(model, 64, 4)
+    root = cache.new_branch()
+    cache.set_batch([root])
+    run(model, cache, prompt[None])
+    kids = cache.fork(root, 2)
+    cache.set_batch(kids)
+    ours = run(model, cache, more)  # both rows extend by 6 at position 9
+    with torch.no_grad():
+        theirs = ref(torch.cat([prompt.expand(2, -1), more], 1)).logits[:, 9:]
+    torch.testing.assert_close(ours, theirs, **FP32)
+    assert cache.lengths() == [15, 15] and cache.length(root) == 9
+
+
+def test_refuses_a_mask_dropout_and_attention_weights(models):
+    model, _ = models
+    cache = TreeCache(model, 64, 4)
+    cache.set_batch([cache.new_branch()])
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="no attention mask"):
+        run(model, cache, ids, attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="does not return attention weights"):
+        run(model, cache, ids, output_attentions=True)
+    model.train()
+    model.config.attention_dropout = 0.1
+    try:
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.1
+        with pytest.raises(ValueError, match="dropout"):
+            run(model, cache, ids)
+    finally:
+        model.eval()
+        model.config.attention_dropout = 0.0
+        for layer in model.model.layers:
+            layer.self_attn.attention_dropout = 0.0
+    assert cache.lengths() == [0]  # each refused forward left nothing behind
+    run(model, cache, ids)
+    assert cache.lengths() == [3]
+
+
+class FakeModule:
+    layer_idx = 0
+
+
+def test_refuses_features_passed_as_arguments(models):
+    """What a model that slipped past the setup checks would pass: refused by name."""
+    model, _ = models
+    cache = TreeCache(model, 64, 4)
+    cache.set_batch([cache.new_branch()])
+    k = torch.zeros(1, 4, 1, 16)
+    q = torch.zeros(1, 12, 1, 16)
+    for name, feature in (("sliding_window", "sliding window"), ("softcap", "soft-capping"),
+                          ("s_aux", "sinks")):
+        cache.update(k, k, 0)
+        with pytest.raises(ValueError, match=feature):
+            tree_attention_forward(FakeModule(), q, k, k, None, **{name: 1.0})
+        cache.rollback()
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="scaling"):
+        tree_attention_forward(FakeModule(), q, k, k, None, scaling=0.5)
+    cache.rollback()
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match="heads"):
+        tree_attention_forward(FakeModule(), q[:, :8], k, k, None)
+
+
+@gpu
+def test_gpu_compiled_model_decodes_through_the_custom_op(monkeypatch):
+    """torch.compile of the model's forward: decode attention is the custom op (host-side
+    cache work runs between graphs), with the eager model's tokens and logits."""
+    from flash_reasoning.hf import sample
+    from flash_reasoning.ops import library
+    model = random_model("llama", 32, 8, 128, num_layers=2, hidden_size=1024, vocab_size=4096,
+                         dtype=torch.bfloat16, device="cuda")
+    prompt = torch.randint(0, 4096, (100,), generator=torch.Generator().manual_seed(0)).cuda()
+    args = {"first_tokens": [1, 2, 3, 4], "cuda_graphs": False, "return_logits": True}
+    eager = sample(model, prompt, 4, 6, **args)
+    model.forward = torch.compile(model.forward)
+    handles = []
+    plan_of = library.plan_of
+    monkeypatch.setattr(library, "plan_of", lambda h: (handles.append(h), plan_of(h))[1])
+    compiled = sample(model, prompt, 4, 6, **args)
+    assert len(handles) == 5 * 2  # five decode steps, two layers each, through the op
+    assert torch.equal(compiled.tokens, eager.tokens)
+    torch.testing.assert_close(compiled.logits, eager.logits, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,123 @@
+"""flash_reasoning.hf.decoder: the CUDA-graph decode path (fixed input, position, slot and
+plan buffers; refreshed before each replay) gives the eager path's tokens, captures once per
+tree shape and again only when the tree changes. On CPU ``cuda_graphs=True`` runs the same
+buffers without a graph; the GPU tests capture real graphs."""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from conftest import gpu
+from flash_reasoning.hf import TreeCache, TreeDecoder, beam_search, sample
+from flash_reasoning.hf.models import random_model
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("llama", 8, 2, 16, num_layers=2)
+
+
+def prompt(n=11, seed=0):
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def decoder_over_forks(model, rows, cuda_graphs, device="cpu"):
+    cache = TreeCache(model, 256, 4)
+    decoder = TreeDecoder(model, cache, cuda_graphs)
+    root = cache.new_branch()
+    logits = decoder.extend(root, prompt().to(device))
+    cache.set_batch(cache.fork(root, rows))
+    cache.free(root)
+    return decoder, logits
+
+
+def greedy(decoder, first, steps):
+    tokens, out = first, [first]
+    for _ in range(steps):
+        tokens = decoder.decode(tokens).argmax(-1)
+        out.append(tokens)
+    return torch.stack(out, 1)
+
+
+def test_graph_path_gives_the_eager_tokens_and_captures_once(model):
+    first = torch.tensor([3, 4, 5])
+    eager, _ = decoder_over_forks(model, 3, cuda_graphs=False)
+    graphs, _ = decoder_over_forks(model, 3, cuda_graphs=True)
+    assert torch.equal(greedy(eager, first, 20), greedy(graphs, first, 20))
+    assert eager.captures == 0 and graphs.captures == 1
+
+
+def test_a_changed_tree_is_captured_again(model):
+    decoder, _ = decoder_over_forks(model, 2, cuda_graphs=True)
+    tokens = greedy(decoder, torch.tensor([1, 2]), 4)[:, -1]
+    assert decoder.captures == 1
+    cache = decoder.cache
+    cache.set_batch(cache.branch_ids + cache.fork(cache.branch_ids[0], 1))  # a new tree
+    tokens = torch.cat([tokens, tokens[:1]])
+    greedy(decoder, tokens, 4)
+    assert decoder.captures == 2
+
+
+def test_beam_search_captures_only_between_reshuffles(model):
+    """A step whose beams all continue their own branch keeps the tree (and the graph); one
+    that forks and frees changes it: an eager step, then a capture if the next keeps it."""
+    eager = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=False)
+    captures = []
+    original = TreeDecoder.decode
+
+    def counting(self, tokens):
+        out = original(self, tokens)
+        captures.append(self.captures)
+        return out
+
+    TreeDecoder.decode = counting
+    try:
+        graphs = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=True)
+    finally:
+        TreeDecoder.decode = original
+    assert torch.equal(eager.sequences, graphs.sequences)
+    assert 0 < captures[-1] < len(captures)  # some steps replayed, some trees changed
+
+
+def test_a_forward_that_raises_leaves_no_token(model, monkeypatch):
+    decoder, _ = decoder_over_forks(model, 2, cuda_graphs=False)
+    lengths = decoder.cache.lengths()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model.model.norm, "forward", fail)  # after every layer's K/V
+    with pytest.raises(RuntimeError, match="boom"):
+        decoder.decode(torch.tensor([1, 2]))
+    monkeypatch.undo()
+    assert decoder.cache.lengths() == lengths
+
+
+def test_inputs_are_checked(model):
+    decoder, _ = decoder_over_forks(model, 2, cuda_graphs=False)
+    with pytest.raises(ValueError, match="one token per row \\(2\\)"):
+        decoder.decode(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="must not be empty"):
+        decoder.extend(decoder.cache.branch_ids[0], [])
+    plain = random_model("llama", 8, 2, 16, num_layers=2, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        TreeDecoder(plain, TreeCache(plain, 16, 4))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_graph_replays_give_the_eager_tokens(dtype):
+    model = random_model("llama", 32, 8, 128, num_layers=2, hidden_size=1024, vocab_size=4096,
+                         dtype=dtype, device="cuda")
+    args = {"first_tokens": list(range(1, 17)), "cache": None}
+    eager = sample(model, prompt(200).cuda(), 16, 48, cuda_graphs=False, **args)
+    graphs = sample(model, prompt(200).cuda(), 16, 48, **args)  # graphs by default on CUDA
+    assert torch.equal(eager.tokens, graphs.tokens)
