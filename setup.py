@@ -14,7 +14,7 @@ from glob import glob
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 #: The C++ core by layer (csrc/README.md): util, runtime, planner, ops.
@@ -75,7 +75,7 @@ launcher = Pybind11Extension(
 
 setup(
     package_dir={"": "python"},
-    packages=["flash_reasoning", "flash_reasoning.ops", "flash_reasoning.tools"],
+    packages=find_packages("python"),
     package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "tuning/*.json",
                                       "lib/*.so", "include/flash_reasoning/*.h"]},
     ext_modules=[launcher],
