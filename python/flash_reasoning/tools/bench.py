@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -79,27 +79,6 @@ def table_cases(cases_file: dict | None, cpu: bool) -> list[dict]:
     seeds = [{**seed_case(b), **by_name.get(seed_case(b)["name"], {})} for b in SEED_BATCHES]
     names = {c["name"] for c in seeds}
     return seeds + [c for c in by_name.values() if c["name"] not in names]
-
-
-def explore_cases(explore: Callable[[str, dict], None], names: Sequence[str]) -> None:
-    """``explore(name, case)`` for each named GPU case of the benchmark (every one when none
-    is named), after the GPU's name: the loop of the ``ci/explore_*.py`` sweeps."""
-    print(torch.cuda.get_device_name(), "(us)", flush=True)
-    cases = {c["name"]: c for c in table_cases(load_cases(), cpu=False)}
-    for name in names or cases:
-        explore(name, cases[name])
-
-
-def check_and_time(name: str, fns: dict, poisoned_run: Callable, runs: int) -> dict:
-    """The ``ci/explore_*.py`` sweeps' variants of one case: each of ``fns`` checked against
-    the first (``poisoned_run(fn)``: its output, what it writes poisoned first; any that
-    differs is printed WRONG), then timed interleaved (:func:`timing.median_us_each`)."""
-    expected = poisoned_run(next(iter(fns.values())))
-    for key, fn in fns.items():
-        err = (poisoned_run(fn).float() - expected.float()).abs().max().item()
-        if not err < 1e-2:
-            print(f"{name} {key}: WRONG, max error {err}", flush=True)
-    return timing.median_us_each(fns, runs)
 
 
 @dataclass
