@@ -28,9 +28,9 @@ def run_interpreted(launches: list[Launch]) -> None:
 
 
 def triton_args(launch: Launch) -> list:
-    """``launch``'s arguments as a Triton call of its kernel takes them (the interpreter's, or a
-    JIT compile's in the ``ci/explore_*.py`` sweeps): each :class:`TensorMap` a Triton tensor
-    descriptor over its view, tiled as the spec's loads are."""
+    """``launch``'s arguments as a Triton call of its kernel takes them (the interpreter's or a
+    JIT compile's): each :class:`TensorMap` a Triton tensor descriptor over its view, tiled as
+    the spec's loads are."""
     signature = launch.spec.signature()
     names = FAMILIES[launch.spec.family].param_names
     return [_interpreter_arg(a, signature[n], launch) for a, n in zip(launch.args, names)]

@@ -15,8 +15,8 @@ head_dim 128, fp16. Per process, in order, each step ended by torch.cuda.synchro
 - ``2nd call``: the next call, for scale.
 
 JIT rows: cold = a fresh empty TRITON_CACHE_DIR (compiles everything, launcher stubs
-included), warm = the same directory again in a new process. Target (issue 5): AOT
-import + launcher + first call < 300 ms. The AOT process also checks that triton was never
+included), warm = the same directory again in a new process. Target: AOT
+import + launcher + first call < 300 ms (no JIT warm-up for a first call). The AOT process also checks that triton was never
 imported. ``python benchmarks/warmup.py [--json out.json] [--repeats 3]``.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ def medians(runs: list[dict]) -> dict[str, float]:
 
 
 def figure(ms: dict[str, float]) -> float:
-    """The issue's figure: import (+ launcher) + first call; CUDA context excluded."""
+    """The target's figure: import (+ launcher) + first call; CUDA context excluded."""
     return ms["import"] + ms.get("launcher", 0.0) + ms["first_call"]
 
 

@@ -318,7 +318,7 @@ def test_from_levels_parents():
 
 
 def bench_shapes():
-    cases = load_cases()["cases"]  # the copy of ../shared/bench/cases.json the package ships
+    cases = load_cases()["cases"]  # the cases file the package ships
     shapes = {}
     for case in cases:
         key = (tuple(case["nodes_per_level"]), tuple(case["tokens_per_level"]))

@@ -289,14 +289,14 @@ def format_row(row: Row) -> str:
                     for i, (_, width, value) in enumerate(COLUMNS))
 
 
-#: The tree-attention issue's targets: a geometric mean of time/floor over the cases of these
-#: head layouts whose floor is at least SMALL_FLOOR_US; every case below it, a time limit.
+#: The performance targets (docs/performance.md): a geometric mean of time/floor over the cases
+#: of these head layouts whose floor is at least SMALL_FLOOR_US; every case below it, a time limit.
 TARGET_LAYOUTS = ("q32kv8", "q32kv32")
 SMALL_FLOOR_US = 10.0
 
 
 def summary(rows: list[Row]) -> str:
-    """The tree-attention issue's targets: geometric means of time/floor per head layout (and
+    """The performance targets: geometric means of time/floor per head layout (and
     q16kv1's over all its cases), the worst case, the slowest small case."""
     lines = []
     timed = [r for r in rows if r.op == "tree_attention" and r.over_floor is not None]

@@ -9,9 +9,9 @@ is compiled for its rule list (``dispatch.RULE_LISTS``). A launch's *band* is th
 ``--bands`` (programs per SM) its program count fits under, or the last, open band; its
 *bucket* is the power of two nearest (in log scale) to the most tokens one of its programs
 walks. In each band and bucket the config with the lowest geometric mean of time over each
-workload's fastest wins (the least total time instead measured 0.5% slower on the benchmark,
-docs/perf.md), and each winner serves the lengths of its band nearer to its bucket than to
-the next one. Rule lists with one compiled candidate keep their rules untimed.
+workload's fastest wins (the least total time instead measured 0.5% slower on the benchmark),
+and each winner serves the lengths of its band nearer to its bucket than to the next one. Rule
+lists with one compiled candidate keep their rules untimed.
 
 Candidates are what the artifacts hold: build with ``FLASH_REASONING_AOT_GRID=wide`` to measure
 the full candidate grid (``aot/grid.py``). ``--fixed N/W/S`` writes a table that pins one
@@ -251,8 +251,8 @@ def fixed_rules(arch: str, config: Config, manifest: dict) -> dict[str, Rules]:
 
 
 def rechoose(raw: Path, out: Path | None, bands: tuple[float, ...]) -> int:
-    """Write the table that :func:`choose` makes from a ``--raw`` file's timings (gzipped
-    when its name ends in .gz, as the shipped ones in docs/results)."""
+    """Write the table that :func:`choose` makes from a ``--raw`` file's timings (read as gzip
+    when its name ends in .gz)."""
     opener = gzip.open if str(raw).endswith(".gz") else open
     with opener(raw, "rt") as f:
         data = json.load(f)
