@@ -37,11 +37,11 @@ import numpy as np
 import torch
 
 from flash_reasoning import TreeAttentionPlan, runtime, tree_attention
-from flash_reasoning.tools import timing
-from flash_reasoning.tools.bench import Separate, case_allocator, seed_case
 from flash_reasoning.ops import tree_attention as tree_module
 from flash_reasoning.ops.paged_decode import _validate as paged_validate
 from flash_reasoning.ops.paged_decode import decode_launches, paged_decode
+from flash_reasoning.tools import timing
+from flash_reasoning.tools.bench import Separate, case_allocator, seed_case
 from flash_reasoning.tools.synthetic import paged_problem
 
 TARGET_US = 15.0

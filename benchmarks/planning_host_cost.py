@@ -4,7 +4,8 @@ cases built by ``bench.case_allocator`` (every token written, as in a real decod
 
 Times are host wall time (time.perf_counter), median of many repetitions; nothing here touches
 the GPU except building the case on it. Target: the step under 0.5 ms for 1024 branches
-(planned once per decode step, ahead of every layer's run). Run: ``python benchmarks/planning_host_cost.py [--device cpu] [--json PATH]``.
+(planned once per decode step, ahead of every layer's run).
+Run: ``python benchmarks/planning_host_cost.py [--device cpu] [--json PATH]``.
 """
 from __future__ import annotations
 

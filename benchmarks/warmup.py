@@ -15,9 +15,9 @@ head_dim 128, fp16. Per process, in order, each step ended by torch.cuda.synchro
 - ``2nd call``: the next call, for scale.
 
 JIT rows: cold = a fresh empty TRITON_CACHE_DIR (compiles everything, launcher stubs
-included), warm = the same directory again in a new process. Target: AOT
-import + launcher + first call < 300 ms (no JIT warm-up for a first call). The AOT process also checks that triton was never
-imported. ``python benchmarks/warmup.py [--json out.json] [--repeats 3]``.
+included), warm = the same directory again in a new process. Target: AOT import + launcher +
+first call < 300 ms (no JIT warm-up for a first call). The AOT process also checks that triton
+was never imported. ``python benchmarks/warmup.py [--json out.json] [--repeats 3]``.
 """
 from __future__ import annotations
 
@@ -89,12 +89,14 @@ def child(mode: str) -> dict:
 def import_jit_kernels() -> dict:
     sys.path.insert(0, str(REPO))  # aot/ (the kernel sources) lives at the repository root
     import triton  # noqa: F401  (timed as part of the JIT's import)
+
     from aot.kernels import JIT_FUNCTIONS
     return JIT_FUNCTIONS
 
 
 def seed_tree():
     import torch
+
     from flash_reasoning.tools.bench import case_allocator, seed_case
     alloc, leaves = case_allocator(seed_case(CASE["batch"], CASE["prefix"], CASE["leaf"]))
     q = torch.randn(len(leaves), 32, 128, dtype=torch.float16, device="cuda")
@@ -111,6 +113,7 @@ def jit_call(jit_functions: dict, q, alloc, leaves):
     launch run by the ``@triton.jit`` function instead of the cubin: same spec (constexprs,
     warps, stages), grid and arguments (aot/interpret.py maps them the same way)."""
     import torch
+
     from flash_reasoning import TreeAttentionPlan
     from flash_reasoning.specializations import FAMILIES
     plan = TreeAttentionPlan(alloc, leaves, q.shape[1])

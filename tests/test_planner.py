@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, dispatch, planner
-from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
+from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.tools.synthetic import random_branches
 
 H100 = dict(num_sms=132, dtype_bytes=2)
@@ -468,7 +468,8 @@ def test_plans_order_their_launches_by_item_lengths():
 def test_nodes_whose_rows_are_whole_tiles_are_read_in_their_host_items(name, lengths, entries):
     """A computed node whose (branch, head) rows are whole wide tiles of its nearest computed
     ancestor's has no items: those tiles read on through its tokens, and its branches merge one
-    partial fewer; a node of half a tile keeps its own (``host_nodes=False``: every node its own)."""
+    partial fewer; a node of half a tile keeps its own (``host_nodes=False``: every node its
+    own)."""
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu")
     start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from flash_reasoning import _core
 from flash_reasoning.allocator import PhysicalKVAllocator
-from flash_reasoning.tools.bench import load_cases
 from flash_reasoning.segment_tree import SegmentTree
+from flash_reasoning.tools.bench import load_cases
 from flash_reasoning.tools.trees import TreeSpec, build_branches, from_levels, load_fasttree
 
 BS = 4

@@ -12,9 +12,18 @@ import functools
 import math
 
 from . import tuning_table
+from .specializations import (
+    APPEND_KV,
+    DTYPES,
+    MERGE_SPLITS,
+    PAGED_DECODE,
+    TREE_FINAL,
+    TREE_MERGE,
+    TREE_PARTIAL,
+    Spec,
+    make_spec,
+)
 from .tuning_table import Config, Rule, Rules
-from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
-                              TREE_MERGE, TREE_PARTIAL, Spec, make_spec)
 
 HEAD_DIMS = (64, 128, 256)
 #: Page sizes (KV block sizes) the attention kernels are also compiled for, as a constant

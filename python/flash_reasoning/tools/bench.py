@@ -22,10 +22,10 @@ from typing import Sequence
 import torch
 
 from .. import reference
-from . import timing
 from ..allocator import PhysicalKVAllocator
 from ..ops.paged_decode import paged_decode
 from ..ops.tree_attention import TreeAttentionPlan
+from . import timing
 from .synthetic import random_kv
 from .trees import build_branches, from_levels
 
@@ -311,8 +311,8 @@ def summary(rows: list[Row]) -> str:
     small = [r for r in timed if r.floor_us < SMALL_FLOOR_US]
     if small:
         worst = max(small, key=lambda r: r.us)
-        lines.append(f"tree_attention small cases (floor < {SMALL_FLOOR_US:g} us): slowest {worst.case} "
-                     f"{worst.us:.1f} us")
+        lines.append(f"tree_attention small cases (floor < {SMALL_FLOOR_US:g} us): slowest "
+                     f"{worst.case} {worst.us:.1f} us")
     slower = [r.case for r in rows if r.op == "tree_attention" and r.speedup is not None
               and r.speedup < 1]
     lines.append(f"tree_attention slower than paged_decode (no sharing) on {len(slower)} "

@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from .. import __version__, dispatch, runtime, tuning_table
-from . import timing
-from .bench import case_allocator
 from ..ops.paged_decode import decode_launches
 from ..ops.tree_attention import TreeAttentionPlan
 from ..specializations import DTYPES
-from .synthetic import paged_problem
 from ..tuning_table import Config, Rules
+from . import timing
+from .bench import case_allocator
+from .synthetic import paged_problem
 
 NUM_QO_HEADS = 32
 GROUPS = (1, 4, 8)
@@ -291,7 +291,8 @@ def parse_bands(text: str) -> tuple[float, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_reasoning.tools.tune", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m flash_reasoning.tools.tune",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="table to write (default tuning-<arch>.json)")
     parser.add_argument("--raw", type=Path, help="also write every timing as JSON")
