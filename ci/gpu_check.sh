@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Run on a GPU machine (the device tool's H100): build for this GPU's arch only, run every
-# test (GPU tests included), then the benchmarks. Logs go to $OUT (or ./gpu-logs).
+# Run on a GPU machine: build for this GPU's arch only, check the driver structs against cuda.h,
+# run every test (GPU tests included), compute-sanitizer and the GPU fuzz test, then the bench
+# (and its figure where matplotlib is installed), the demo, the C++ example and the host-side
+# benchmarks. Logs and JSON go to $OUT (or ./gpu-logs).
 # SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls);
 # PYTEST_ARGS (files, split on spaces) and PYTEST_K (one -k expression) narrow the tests.
+# AOT_GRID=wide compiles every candidate config, then tunes a table and checks it
+# (benchmarks/tuned_vs_fixed.py): docs/tuning.md.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"

@@ -16,16 +16,11 @@ constexpr int64_t kMaxGrid[3] = {2147483647, 65535, 65535};  // CUDA grid limits
 
 std::string describe(const Arg& a) {
   switch (a.kind) {
-    case Arg::Kind::kInt:
-      return std::to_string(a.i);
-    case Arg::Kind::kUInt:
-      return std::to_string(a.u);
-    case Arg::Kind::kFloat:
-      return std::to_string(a.f);
-    case Arg::Kind::kTooLarge:
-      return "an integer beyond 64 bits";
-    default:
-      return "a value that is not a number";
+    case Arg::Kind::kInt: return std::to_string(a.i);
+    case Arg::Kind::kUInt: return std::to_string(a.u);
+    case Arg::Kind::kFloat: return std::to_string(a.f);
+    case Arg::Kind::kTooLarge: return "an integer beyond 64 bits";
+    default: return "a value that is not a number";
   }
 }
 
