@@ -12,9 +12,9 @@ from flash_reasoning.specializations import DTYPES, Spec
 
 ARCHS = ("sm80", "sm89", "sm90")
 
-#: (BLOCK_N, num_warps, num_stages) candidates a tuning run measures (``flash_reasoning.tools.tune``)
-#: for the decode-tile kernels (paged_decode, split or not, tree_final, packed or not, the narrow
-#: tree_partial) and for the wide tree_partial tile.
+#: (BLOCK_N, num_warps, num_stages) candidates a tuning run measures
+#: (``flash_reasoning.tools.tune``) for the decode-tile kernels (paged_decode, split or not,
+#: tree_final, packed or not, the narrow tree_partial) and for the wide tree_partial tile.
 DECODE_TILE_CANDIDATES = ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
                           (128, 4, 2), (64, 8, 2))
 WIDE_TILE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))

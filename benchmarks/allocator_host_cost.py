@@ -3,7 +3,8 @@
 branches (reserve + one append per layer).
 
 Times are host wall time (time.perf_counter) until the call returns, median of many
-repetitions; on CUDA the GPU work is only launched. Run: ``python benchmarks/allocator_host_cost.py``.
+repetitions; on CUDA the GPU work is only launched.
+Run: ``python benchmarks/allocator_host_cost.py``.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ any upload, ``allocator.segment_tree(leaves)`` and then ``planner.plan(tree, sha
 cases built by ``bench.case_allocator`` (every token written, as in a real decode).
 
 Times are host wall time (time.perf_counter), median of many repetitions; nothing here touches
-the GPU except building the case on it. Issue 4's target: the step under 0.5 ms for 1024
-branches. Run: ``python benchmarks/planning_host_cost.py [--device cpu] [--json PATH]``.
+the GPU except building the case on it. Target: the step under 0.5 ms for 1024 branches
+(planned once per decode step, ahead of every layer's run).
+Run: ``python benchmarks/planning_host_cost.py [--device cpu] [--json PATH]``.
 """
 from __future__ import annotations
 

@@ -30,9 +30,8 @@ from pathlib import Path
 
 import torch
 
-from flash_reasoning import TreeAttentionPlan, dispatch, reference, runtime
+from flash_reasoning import TreeAttentionPlan, dispatch, reference, runtime, tuning_table
 from flash_reasoning.tools import bench, timing, tune
-from flash_reasoning import tuning_table
 
 
 def settings(arch: str, folder: Path, candidates: dict[str, Path]) -> dict[str, Path | None]:

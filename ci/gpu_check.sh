@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Run on a GPU machine (the device tool's H100): build for this GPU's arch only, run every
-# test (GPU tests included), then the benchmarks. Logs go to $OUT (or ./gpu-logs).
+# Run on a GPU machine: build for this GPU's arch only, check the driver structs against cuda.h,
+# run every test (GPU tests included), compute-sanitizer and the GPU fuzz test, then the bench
+# (and its figure where matplotlib is installed), the demo, the C++ example and the host-side
+# benchmarks. Logs and JSON go to $OUT (or ./gpu-logs).
 # SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls);
 # PYTEST_ARGS (files, split on spaces) and PYTEST_K (one -k expression) narrow the tests.
+# AOT_GRID=wide compiles every candidate config, then tunes a table and checks it
+# (benchmarks/tuned_vs_fixed.py): docs/tuning.md.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-logs}
 mkdir -p "$OUT"
@@ -50,38 +54,6 @@ log=warmup.log step "zero warm-up" python3 benchmarks/warmup.py --json "$OUT/war
     ${WARMUP_ARGS:-} || status=1
 log=launch.log step "launch overhead" python3 benchmarks/launch_overhead.py \
     --json "$OUT/launch_overhead.json" || status=1
-# EXPLORE_<NAME>=1 adds ci/explore_<name>.py (log explore_<name>.log): the sweeps behind docs/perf.md.
-# Arguments after the title go to the script.
-explore() {
-  local var="EXPLORE_${1^^}"
-  [ -n "${!var:-}" ] || return 0
-  log=explore_$1.log step "explore $2" env PYTHONPATH=. python3 "ci/explore_$1.py" "${@:3}" || status=1
-}
-explore tree "tree planner"
-explore attend "attention loop variants"
-explore root "root loop variants and the dense bar"
-explore merge "merge modes"
-explore flat "flat plans"
-explore lanes "final lanes"
-explore overlap "overlapping launches"
-explore streams "partial launches on two streams"
-explore decode "decode splits"
-explore launches "each launch alone: time and bandwidth"
-explore prefetch "leaves prefetched into L2 during the root"
-explore tail "loads at the chains' ends, partial launches side by side"
-explore contiguous "shared ranges read as one run of slots"
-explore coresident "final programs beside a one-program-per-SM root"
-explore waves "partial launches of one program per SM"
-explore wide_lanes "final programs: lanes and stages after the partial launch"
-explore resident "leaves as persistent partial programs beside a resident root"
-explore item_contiguous "separate-merge items read as runs of slots (upper bound)"
-explore knobs "the planner's regret: each knob forced on every case"
-explore partial "the deep trees' partial launches: folds and configs"
-explore common "final programs that read their lanes' shared range once"
-explore grid_order "partial launches: each item's heads together, or each head's items"
-explore read_bar "each case's bytes read and nothing else, against the targets" --bench "$OUT/bench.json"
-explore fused_final "one launch: 64-row final programs over their lanes' shared path"
-explore leaf_reads "the leaves read and nothing else: the final launch's bar"
 if [ "${AOT_GRID:-}" = wide ]; then  # every candidate is compiled: tune, then check the table
   log=tune.log step "tune" python3 -m flash_reasoning.tools.tune --out "$OUT/tuning-$arch.json" \
       --raw "$OUT/tuning-raw-$arch.json" || status=1

@@ -4,9 +4,10 @@ Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), 
 copies of copy-on-write, tree_partial (both tiles, closed and open items, paged and as one or
 two runs of slots, through TMA descriptors at head_dim 128 and 256 on sm90), tree_final (one
 branch per program, packed, packed heads first over 4 KB token rows, and packed with shared
-ranges) and tree_merge (plans of both merge modes), paged_decode unsplit
-and split (alone, and as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0 and
-inside blocks, decode steps over shared partial blocks, 1024 branches. Every result is
+ranges) and tree_merge (plans of both merge modes), paged_decode unsplit and split (alone, and
+as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1,
+exact block multiples, forks at 0 and inside blocks, decode steps over shared partial blocks,
+1024 branches. Every result is
 checked against the float64 reference; exits 1 on a wrong one.
 
 Every buffer a kernel may read is initialised, so initcheck reports only real reads of

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command. On a fresh machine with python3, pip and g++ (no GPU needed):
-#  1. a venv with torch==2.13.0 and the package (editable, test extras), then pytest;
+#  1. a venv with torch==2.13.0 and the package (editable, test and lint extras): ruff and
+#     clang-format over the tree, then pytest;
 #  2. the wheel, installed in a second fresh venv with no triton: it must import, hold cubins
 #     for sm80/sm89/sm90 and run a decode through the PyTorch path;
 #  3. its C library: exports only fr* symbols, needs only libc/libstdc++ (libcuda is opened at
@@ -21,7 +22,12 @@ dev="$work/dev/bin/python"
 "$dev" -m pip install -q torch==2.13.0
 # Build requirements are installed first so both builds below reuse one AOT cache.
 "$dev" -m pip install -q setuptools wheel "pybind11>=2.12" triton==3.6.0
-"$dev" -m pip install -q --no-build-isolation -e ".[test]"
+"$dev" -m pip install -q --no-build-isolation -e ".[test,lint]"
+"$dev" -m ruff check python tests benchmarks aot ci examples
+# clang-format skips the files .clang-format-ignore lists.
+find csrc examples/cpp \( -name '*.cc' -o -name '*.h' \) -print0 | sort -z |
+  xargs -0 "$work/dev/bin/clang-format" --dry-run -Werror
+echo "ci: lint ok (ruff, clang-format)"
 "$dev" -m pytest -q -p no:cacheprovider
 
 "$dev" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" .

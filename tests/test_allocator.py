@@ -1,4 +1,5 @@
-"""PhysicalKVAllocator on CPU: a stateful model check, exhaustion, the seed quick start, bad input."""
+"""PhysicalKVAllocator on CPU: a stateful model check, exhaustion, the seed quick start, bad
+input."""
 from dataclasses import fields
 
 import numpy as np
@@ -6,11 +7,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule)
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from conftest import allocator_snapshot, assert_allocator_unchanged
-from flash_reasoning.allocator import (ZERO_BLOCK, PhysicalKVAllocator, PoolExhausted,
-                                       UnknownBranch)
+from flash_reasoning.allocator import ZERO_BLOCK, PhysicalKVAllocator, PoolExhausted, UnknownBranch
 from flash_reasoning.segment_tree import SegmentTree
 
 BS, HEADS, DIM, LAYERS = 4, 1, 2, 2
@@ -469,7 +469,8 @@ def test_gpu_append_and_copy_on_write_match_cpu_path():
     assert ids == gpu_ids
     for branch_id in ids:
         for layer in range(2):
-            for a, b in zip(gathered_any(cpu, branch_id, layer), gathered_any(gpu, branch_id, layer)):
+            for a, b in zip(gathered_any(cpu, branch_id, layer),
+                            gathered_any(gpu, branch_id, layer)):
                 assert torch.equal(a, b.cpu())
 
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import flash_reasoning
-
 from flash_reasoning import tuning_table
 from flash_reasoning.tools import bench, cli, report
 
@@ -110,9 +109,9 @@ def test_bench_case_on_gpu_checks_every_op():
 
 def test_separate_copy_serves_paged_decode_and_masked_sdpa():
     """Branches of different lengths: SDPA needs its key mask, paged_decode the lengths."""
+    from flash_reasoning import reference
     from flash_reasoning.allocator import PhysicalKVAllocator
     from flash_reasoning.tools.synthetic import random_branches
-    from flash_reasoning import reference
     alloc = PhysicalKVAllocator(64, 4, 2, 64, dtype=torch.float16, device="cpu")
     ids = random_branches(alloc, 6, max_depth=3, max_tokens=9, seed=3)
     assert len({alloc.length(b) for b in ids}) > 1

@@ -10,8 +10,17 @@ import torch
 
 import flash_reasoning
 from conftest import HAS_GPU, allocator_snapshot, assert_allocator_unchanged, gpu
-from flash_reasoning import (PhysicalKVAllocator, PoolExhausted, StalePlan, TreeAttentionPlan,
-                             UnknownBranch, paged_decode, reference, runtime, tree_attention)
+from flash_reasoning import (
+    PhysicalKVAllocator,
+    PoolExhausted,
+    StalePlan,
+    TreeAttentionPlan,
+    UnknownBranch,
+    paged_decode,
+    reference,
+    runtime,
+    tree_attention,
+)
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.ops.tree_attention import TABLE_HEADROOM_BLOCKS
 from flash_reasoning.tools.synthetic import paged_problem, random_branches, random_kv

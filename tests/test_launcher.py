@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from flash_reasoning import _core
-from flash_reasoning._core import Hole, Launcher, CoreError
+from flash_reasoning._core import CoreError, Hole, Launcher
 
 NAME = "paged_decode_fp16_d128_m16_n64_split0_w4_s2"
 CUBIN = b"CUBIN: stands in for a real cubin"

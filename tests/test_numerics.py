@@ -8,8 +8,14 @@ import pytest
 import torch
 
 from conftest import gpu, interpreter, poisoned_like
-from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, paged_decode, reference,
-                             runtime, tree_attention)
+from flash_reasoning import (
+    PhysicalKVAllocator,
+    TreeAttentionPlan,
+    paged_decode,
+    reference,
+    runtime,
+    tree_attention,
+)
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.tools.synthetic import paged_problem, random_kv
 from flash_reasoning.tools.trees import build_branches, from_levels

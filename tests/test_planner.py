@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from flash_reasoning import PhysicalKVAllocator, _core, dispatch, planner
 from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
+from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.tools.synthetic import random_branches
 
 H100 = dict(num_sms=132, dtype_bytes=2)
@@ -282,8 +283,8 @@ def test_a_lone_root_that_outlasts_the_leaves_takes_the_wide_final_tile(root, le
                                                                        lanes):
     """Past the narrow tile, a packed final launch beside a lone root takes the wide final
     tile's lanes (until its programs fit beside the root) where the root's launch is estimated
-    to take longer than the final launch; the figures are the H100's (docs/perf.md session
-    23), and the rule picks the faster on each."""
+    to take longer than the final launch; each row is a tree measured whole on the H100 at both
+    tiles' lanes, and the rule picks the faster on each."""
     case = seed_case(256, root, leaf, num_kv_heads=kv_heads)
     alloc, leaves = case_allocator(case, device="cpu", random=False)
     arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
@@ -375,8 +376,8 @@ def test_a_lone_root_outweighed_by_its_leaves_leaves_whole_sms_to_them():
 @pytest.mark.parametrize("lanes, resident", [(1, 6), (2, 4), (4, 4), (8, 4)])
 def test_final_waves_count_the_programs_each_kernel_fits(lanes, resident):
     """The final launch's waves in the cost model: the one-branch kernel fits 6 programs per SM,
-    the packed kernel (two lanes or more: 240 registers, 39 KB of shared memory) 4 (ncu, H100,
-    docs/perf.md session 29)."""
+    the packed kernel (two lanes or more: 240 registers, 39 KB of shared memory) 4 (ncu,
+    H100)."""
     from flash_reasoning import _core
     assert _core.final_programs_per_sm(lanes) == resident
 
@@ -468,7 +469,8 @@ def test_plans_order_their_launches_by_item_lengths():
 def test_nodes_whose_rows_are_whole_tiles_are_read_in_their_host_items(name, lengths, entries):
     """A computed node whose (branch, head) rows are whole wide tiles of its nearest computed
     ancestor's has no items: those tiles read on through its tokens, and its branches merge one
-    partial fewer; a node of half a tile keeps its own (``host_nodes=False``: every node its own)."""
+    partial fewer; a node of half a tile keeps its own (``host_nodes=False``: every node its
+    own)."""
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu")
     start, end = TREE_ITEM_FIELDS.index("kv_start"), TREE_ITEM_FIELDS.index("kv_end")

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from flash_reasoning import _core
 from flash_reasoning.allocator import PhysicalKVAllocator
-from flash_reasoning.tools.bench import load_cases
 from flash_reasoning.segment_tree import SegmentTree
+from flash_reasoning.tools.bench import load_cases
 from flash_reasoning.tools.trees import TreeSpec, build_branches, from_levels, load_fasttree
 
 BS = 4
@@ -318,7 +318,7 @@ def test_from_levels_parents():
 
 
 def bench_shapes():
-    cases = load_cases()["cases"]  # the copy of ../shared/bench/cases.json the package ships
+    cases = load_cases()["cases"]  # the cases file the package ships
     shapes = {}
     for case in cases:
         key = (tuple(case["nodes_per_level"]), tuple(case["tokens_per_level"]))

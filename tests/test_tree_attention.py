@@ -6,16 +6,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import gpu, interpreter, poisoned_like
-from flash_reasoning import (PhysicalKVAllocator, StalePlan, TreeAttentionPlan, UnknownBranch,
-                             reference, tree_attention)
-from flash_reasoning import _core, runtime
+from flash_reasoning import (
+    PhysicalKVAllocator,
+    StalePlan,
+    TreeAttentionPlan,
+    UnknownBranch,
+    _core,
+    reference,
+    runtime,
+    tree_attention,
+)
 from flash_reasoning._core import CoreError
 from flash_reasoning.tools.bench import case_allocator, load_cases
 
 from flash_reasoning.runtime import TensorMap
 from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
-from flash_reasoning.tools.synthetic import (LONG_NODE_TOKENS, long_narrow_node, random_branches,
-                                       random_kv)
+from flash_reasoning.tools.bench import case_allocator, load_cases
+from flash_reasoning.tools.synthetic import (
+    LONG_NODE_TOKENS,
+    long_narrow_node,
+    random_branches,
+    random_kv,
+)
 from flash_reasoning.tools.trees import build_branches, from_levels
 from flash_reasoning.planner import PlanOptions
 

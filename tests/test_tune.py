@@ -17,7 +17,8 @@ CONFIGS = [(16, 2, 1), (32, 2, 2), (64, 4, 2), (128, 8, 2)]
 
 
 @pytest.mark.parametrize("tokens, bucket", [(0, 1), (1, 1), (5, 4), (6, 8), (11, 8), (12, 16),
-                                            (64, 64), (90, 64), (91, 128), (2896, 2048), (2897, 4096)])
+                                            (64, 64), (90, 64), (91, 128), (2896, 2048),
+                                            (2897, 4096)])
 def test_bucket_is_the_nearest_power_of_two_in_log_scale(tokens, bucket):
     assert tune.bucket_of(tokens) == bucket
 

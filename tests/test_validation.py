@@ -9,10 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (allocator_snapshot, assert_allocator_unchanged, gpu, poisoned_like,
-                      same_bits)
-from flash_reasoning import (PhysicalKVAllocator, TreeAttentionPlan, UnknownBranch,
-                             kv_cache, paged_decode, reference, tree_attention)
+from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, poisoned_like, same_bits
+from flash_reasoning import (
+    PhysicalKVAllocator,
+    TreeAttentionPlan,
+    UnknownBranch,
+    kv_cache,
+    paged_decode,
+    reference,
+    tree_attention,
+)
 from flash_reasoning.allocator import MAX_TOKENS, DecodeStep
 from flash_reasoning.tools.synthetic import PagedProblem, paged_problem, random_branches, random_kv
 from flash_reasoning.planner import PlanOptions
@@ -417,8 +423,9 @@ def test_paged_decode_tables_must_name_pool_blocks(world, entry):
 # ---- plan.run's checks -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spoil", [
-    lambda t: t.float(), lambda t: t.bfloat16(), lambda t: t[1:], lambda t: t[..., :32].contiguous(),
-    lambda t: t[None], noncontiguous, lambda t: t.to("meta"), lambda t: t.numpy(), lambda t: [t],
+    lambda t: t.float(), lambda t: t.bfloat16(), lambda t: t[1:],
+    lambda t: t[..., :32].contiguous(), lambda t: t[None], noncontiguous, lambda t: t.to("meta"),
+    lambda t: t.numpy(), lambda t: [t],
 ], ids=["float32", "bfloat16", "rows", "head_dim", "4-D", "strides", "meta", "ndarray", "list"])
 def test_run_refuses_a_spoiled_q_or_out(world, spoil):
     bad = spoil(world.q)

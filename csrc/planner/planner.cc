@@ -70,8 +70,8 @@ void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_
   for (int64_t v = 0; v < count; ++v) {
     int64_t up = t.node_parent[v];
     if (up >= 0 && (*fold)[up]) (*eff_start)[v] = (*eff_start)[up];
-    (*fold)[v] = flat || fold_into_consumers(consumers[v], t.node_end[v] - (*eff_start)[v],
-                                             t.node_hi[v] - t.node_lo[v], shape, reread_weight);
+    (*fold)[v] = flat || fold_into_consumers(consumers[v], t.node_end[v] - (*eff_start)[v], t.node_hi[v] - t.node_lo[v],
+                                             shape, reread_weight);
   }
 }
 
@@ -92,9 +92,9 @@ struct Ranges {
 // `host_nodes`, the nearest computed ancestor's where the node's rows are whole row tiles of that
 // ancestor's range (their first and last tile boundaries fall on the node's). Those tiles then
 // read on through the node's tokens (their range ends at its end), so the node needs no items
-// and its rows one partial fewer. H100, docs/perf.md session 34: ft_1,4,16,512/q32kv8, whose
-// level-2 nodes are two tiles each of their level-1 items' rows: no 128-token items left to run
-// after the 1280-token ones.
+// and its rows one partial fewer. H100: ft_1,4,16,512/q32kv8, whose level-2 nodes are two tiles
+// each of their level-1 items' rows, 81.2 -> 75.9 us: no 128-token items left to run after the
+// 1280-token ones.
 std::vector<int64_t> range_hosts(const SegmentTree& t, const std::vector<char>& fold, const PlanShape& shape,
                                  bool one_tile, bool host_nodes) {
   std::vector<int64_t> host(t.num_nodes(), -1), above(t.num_nodes(), -1);  // above: nearest computed ancestor
@@ -166,8 +166,7 @@ void merge_slots(const SegmentTree& t, Plan* p) {
   int64_t n = t.num_rows();
   std::vector<int64_t> owner(p->num_entries);
   for (size_t c = 0; c < p->chunk_rows.size(); ++c)
-    for (int64_t j = 0; j < p->chunk_rows[c]; ++j)
-      owner[p->chunk_entry0[c] + j] = t.order[p->chunk_row_ptr[c] + j];
+    for (int64_t j = 0; j < p->chunk_rows[c]; ++j) owner[p->chunk_entry0[c] + j] = t.order[p->chunk_row_ptr[c] + j];
   p->merge_ptr.assign(n + 1, 0);
   for (int64_t o : owner) ++p->merge_ptr[o + 1];
   for (int64_t b = 0; b < n; ++b) p->merge_ptr[b + 1] += p->merge_ptr[b];
@@ -185,8 +184,7 @@ int64_t longest_final_walk(const SegmentTree& t, const Ranges& r, const std::vec
   for (size_t k = 0; k < pieces.size(); ++k) {
     bool is_final = int64_t(k) >= r.num_computed;
     for (int64_t j = 0; j < r.rows[k]; ++j) partials[t.order[r.row_ptr[k] + j]] += pieces[k] - is_final;
-    if (is_final)
-      tiles[t.order[r.row_ptr[k]]] = ceil_div(r.hi[k] - r.lo[k] - (pieces[k] - 1) * step[k], kChunkAlign);
+    if (is_final) tiles[t.order[r.row_ptr[k]]] = ceil_div(r.hi[k] - r.lo[k] - (pieces[k] - 1) * step[k], kChunkAlign);
   }
   int64_t longest = 0;
   for (int64_t b = 0; b < t.num_rows(); ++b)
@@ -303,9 +301,9 @@ void make_items(const Plan& p, const std::vector<int64_t>& chunk_block_m, const 
       if (chunk_block_m[c] != block_m) continue;
       planned_lengths.push_back(p.chunk_end[c] - p.chunk_start[c]);
       for (int64_t tile = 0; tile < ceil_div(p.chunk_rows[c] * group, block_m); ++tile) {
-        int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c],  p.chunk_end[c],
-                            p.chunk_row_ptr[c],   p.chunk_rows[c],   tile * block_m,
-                            p.chunk_entry0[c],    p.chunk_open[c],   p.chunk_end[c]};
+        int64_t record[] = {p.chunk_table_row[c], p.chunk_start[c], p.chunk_end[c],
+                            p.chunk_row_ptr[c],   p.chunk_rows[c],  tile * block_m,
+                            p.chunk_entry0[c],    p.chunk_open[c],  p.chunk_end[c]};
         list.records.insert(list.records.end(), std::begin(record), std::end(record));
       }
     }
@@ -389,7 +387,7 @@ double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& 
 
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets) {
   std::vector<const std::vector<int32_t>*> lists = {&plan.order, &plan.final_start, &plan.merge_ptr, &plan.entry_slot,
-                                                     &plan.common};
+                                                    &plan.common};
   for (const ItemList& items : plan.items) lists.push_back(&items.records);
   flat->clear();
   offsets->clear();
@@ -453,8 +451,7 @@ namespace {
 bool lone_root_beside(const Plan& plan, int64_t num_computed, const PlanShape& shape) {
   if (num_computed != 1 || plan.separate_merge) return false;
   int64_t programs = 0;
-  for (const ItemList& list : plan.items)
-    programs += list.count() * shape.num_kv_heads;
+  for (const ItemList& list : plan.items) programs += list.count() * shape.num_kv_heads;
   return programs <= shape.num_sms;
 }
 
@@ -482,8 +479,7 @@ int64_t planned_lanes(Plan& plan, const SegmentTree& tree, const PlanShape& shap
 // final ranges then start at its end. Lanes whose final ranges start apart share nothing here;
 // a plan where no program shares anything keeps no records.
 // Every node is folded in a flat plan, so there a program of sibling leaves walks their path
-// once, not once per lane (H100, ft_deep16/q32kv8 flat: 80.1 -> 62.3 us at 8 lanes;
-// docs/perf.md session 25).
+// once, not once per lane (H100, ft_deep16/q32kv8 flat: 80.1 -> 62.3 us at 8 lanes).
 void shared_final_prefixes(const SegmentTree& t, Plan* p) {
   p->common.clear();
   if (p->separate_merge || p->as_paged_decode || p->final_lanes < 2) return;
@@ -517,8 +513,8 @@ int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& pro
   int64_t min_tokens = separate_merge && !r.num_computed ? kMinSeparateChunkTokens : kMinChunkTokens;
   bool outweighed = false;
   if (r.num_computed == 1 && !separate_merge) {  // a lone root: do its leaves outweigh it?
-    int64_t step = chunk_length(length[0], chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms,
-                                                        min_tokens));
+    int64_t step =
+        chunk_length(length[0], chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms, min_tokens));
     int64_t pieces = std::max<int64_t>(1, ceil_div(length[0], step));
     int64_t leaf_tokens = 0;
     for (size_t k = 1; k < length.size(); ++k) leaf_tokens += length[k];
@@ -531,8 +527,8 @@ int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& pro
 
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
 // own row tile, or every range in the wide one (`one_tile`).
-Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat,
-                  bool one_tile, Plan* out) {
+Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat, bool one_tile,
+                  Plan* out) {
   std::vector<char> fold;
   std::vector<int64_t> eff_start;
   fold_decisions(tree, shape, options.reread_weight, flat, &fold, &eff_start);
@@ -550,16 +546,17 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   // nodes, their work alone: the final kernel runs after them, so they must fill the GPU by
   // themselves (H200, seed_b256: the root in two chunks 81.7 us, whole 90.9).
   size_t computed_work = r.num_computed ? size_t(r.num_computed) : num_ranges;
-  p.chunk_tokens = options.target_chunk ? options.target_chunk
-                                        : chunk_tokens(programs, length, computed_work, kWaves * shape.num_sms,
-                                                       kMinChunkTokens);
+  p.chunk_tokens = options.target_chunk
+                       ? options.target_chunk
+                       : chunk_tokens(programs, length, computed_work, kWaves * shape.num_sms, kMinChunkTokens);
   p.computed_nodes = r.num_computed;
   std::vector<int64_t> step, pieces;
   cut_ranges(length, p.chunk_tokens, &step, &pieces);
-  p.separate_merge = options.separate_merge >= 0 ? options.separate_merge != 0
-                                                 : merge_separately(longest_final_walk(tree, r, step, pieces),
-                                                                    separate_merge_adds_launch(r, block_m, pieces),
-                                                                    tree.num_rows() * shape.final_tiles(), shape.num_sms);
+  p.separate_merge =
+      options.separate_merge >= 0
+          ? options.separate_merge != 0
+          : merge_separately(longest_final_walk(tree, r, step, pieces), separate_merge_adds_launch(r, block_m, pieces),
+                             tree.num_rows() * shape.final_tiles(), shape.num_sms);
   if (!options.target_chunk) {  // the chunk length the merge mode asks for, now it is known
     int64_t tokens = merge_mode_chunk_tokens(r, programs, length, block_m, p.separate_merge, shape);
     if (tokens != p.chunk_tokens) {
@@ -587,10 +584,9 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
     }
   }
   if (p.num_entries * shape.num_qo_heads >= (int64_t(1) << 31))  // the kernels index partials in int32
-    return Status::Error(Code::kInvalidArgument,
-                         "the plan needs " + std::to_string(p.num_entries) + " partials of " +
-                             std::to_string(shape.num_qo_heads) +
-                             " heads: too many for one step; split the branches over calls");
+    return Status::Error(Code::kInvalidArgument, "the plan needs " + std::to_string(p.num_entries) + " partials of " +
+                                                     std::to_string(shape.num_qo_heads) +
+                                                     " heads: too many for one step; split the branches over calls");
   p.order.assign(tree.order.begin(), tree.order.end());
   merge_slots(tree, &p);
   make_items(p, chunk_block_m, shape, &p.items);
@@ -601,8 +597,8 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   p.final_heads_first = !p.separate_merge && !p.as_paged_decode &&
                         final_heads_first(p.final_lanes, p.has_common(), ceil_div(tree.num_rows(), p.final_lanes),
                                           shape.token_row_bytes());
-  p.early_final = !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0
-                                                                : final_starts_early(p.separate_merge));
+  p.early_final =
+      !p.items.empty() && (options.early_final >= 0 ? options.early_final != 0 : final_starts_early(p.separate_merge));
   p.estimated_us = estimated_us(p, tree, shape);
   *out = std::move(p);
   return Status::Ok();

@@ -25,7 +25,7 @@
 // A plan that merges separately over both row tiles runs two partial launches; the same plan
 // with every item in the wide tile runs one (its narrow items waste MMA rows, not HBM bytes).
 // Once the folds are chosen (flat or not), the planner keeps whichever estimated_us() finds
-// faster (H100, ft_1,10/q32kv8: 38.5 -> 33.1 us; docs/perf.md session 13).
+// faster (H100, ft_1,10/q32kv8: 38.5 -> 33.1 us).
 //
 // Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
 // tree cannot repay (one KV head: a token is 512 bytes). So the planner also plans the tree
@@ -39,8 +39,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "util/int_math.h"
 #include "planner/segment_tree.h"
+#include "util/int_math.h"
 #include "util/status.h"
 
 namespace flash_reasoning {
@@ -50,56 +50,54 @@ namespace flash_reasoning {
 constexpr double kRereadWeight = 0.5;
 // A chunk shorter than this costs more in partials than its parallelism gains; merged
 // separately (vectorised), unshared branches' chunks pay down to the second (H100, one
-// 2112-token branch: 17.5 us in 256-token chunks, 15.4 in 128; docs/perf.md session 9).
+// 2112-token branch: 17.5 us in 256-token chunks, 15.4 in 128).
 constexpr int64_t kMinChunkTokens = 256;
 constexpr int64_t kMinSeparateChunkTokens = 128;
 // Programs per SM the chunking aims for (partial_programs()): kWaves, but kLoneRootWaves for a
 // lone computed node before a final launch. Two root programs (64 rows, ~26K registers and
 // 112 KB of shared memory each) fill an SM; one leaves room for two final programs, which the
-// early start lets walk the leaves beside it (H100, docs/perf.md session 20: seed_b64/q32kv8
+// early start lets walk the leaves beside it (H100: seed_b64/q32kv8
 // 31.2 -> 23.9 us, seed_b256/q32kv32 128.4 -> 118.7; trees of several computed nodes lose).
 constexpr int64_t kWaves = 2;
 constexpr int64_t kLoneRootWaves = 1;
 // ... and a lone root whose leaves outweigh it (leaves_outweigh_root()) one program per this many
 // SMs: whole SMs are left to the final programs, which walk the leaves while the root computes
-// (H100, docs/perf.md session 29: seed_b64/q32kv32, 67 MB of leaves under a 2048-token root,
+// (H100: seed_b64/q32kv32, 67 MB of leaves under a 2048-token root,
 // 48.5 -> 44.5 us in 64 root programs, not 128).
 constexpr int64_t kOutweighedRootSmsPerProgram = 2;
-// A plan that merges separately with computed nodes runs every range's chunks in its one
-// partial launch, with nothing beside it: it cuts them all for this many programs per SM,
-// fewer and longer than kWaves, with fewer partials to merge (H100, docs/perf.md session 29:
-// ft_1,10/q32kv8, a 4000-token root over 10 leaves of 400, 29.2 -> 26.1 us in 144 programs,
-// not 288).
+// A plan that merges separately with computed nodes runs every range's chunks in its one partial
+// launch, with nothing beside it: it cuts them all for this many programs per SM, fewer and longer
+// than kWaves, with fewer partials to merge (H100: ft_1,10/q32kv8, a 4000-token root over 10 leaves
+// of 400, 29.2 -> 26.1 us in 144 programs, not 288).
 constexpr int64_t kSeparateMergeWaves = 1;
 // Chunk boundaries fall on multiples of the kernels' KV tile.
 constexpr int64_t kChunkAlign = 64;
 // Serial steps (KV tiles of kChunkAlign tokens + partials) of a final-kernel program from which
-// a separate merge wins, and the steps a partial launch of one more tile size costs (H100,
-// docs/perf.md session 9: a walk of 9 steps takes 13-14 us, the merge launch 6-13 us, a
+// a separate merge wins, and the steps a partial launch of one more tile size costs (H100: a
+// walk of 9 steps takes 13-14 us, the merge launch 6-13 us, a
 // launch of narrow leaf items 9 us).
 constexpr int64_t kSeparateMergeSteps = 8;
 constexpr int64_t kLaunchSteps = 4;
-// ... but a final launch of at least this many programs per SM (its rows x final tiles) keeps
-// its merge whatever its walk: started early, its programs walk their own ranges beside the
-// partial launch and fold their partials side by side, where a separate merge would write and
-// read every final chunk's partial and add a launch (H100, docs/perf.md session 24: over 107
-// root-and-leaves trees and cases the regret against the faster mode fell from 24 trees over
-// 3% to 12; long_1,4/q32kv32 194.8 -> 182.9 us, 16 leaves of 400 under a 4096-token root at
-// q32kv32 78.7 -> 69.2; below it, 10 such leaves at q32kv8 keep the separate merge, 28.7
-// against 34.3).
+// ... but a final launch of at least this many programs per SM (its rows x final tiles) keeps its
+// merge whatever its walk: started early, its programs walk their own ranges beside the partial
+// launch and fold their partials side by side, where a separate merge would write and read every
+// final chunk's partial and add a launch (H100: over 107 root-and-leaves trees and cases the regret
+// against the faster mode fell from 24 trees over 3% to 12; long_1,4/q32kv32 194.8 -> 182.9 us, 16
+// leaves of 400 under a 4096-token root at q32kv32 78.7 -> 69.2; below it, 10 such leaves at q32kv8
+// keep the separate merge, 28.7 against 34.3).
 constexpr double kMergeInFinalProgramsPerSm = 0.75;
 // estimated_us()'s model of a launch: a fixed cost, then the longer of its serial steps (a
 // program's KV tiles and partials, times its waves) and its HBM traffic. Fitted on the H100
-// (docs/perf.md session 10: the cases file planned both ways; it picks the faster plan on
-// every case but two, each kept on the tree plan and 1-2 us slower there).
+// (the cases file planned both ways: it picks the faster plan on every case but two, each
+// kept on the tree plan and 1-2 us slower there).
 constexpr double kLaunchUs = 5.0;
 constexpr double kStepUs = 1.2;
 constexpr double kWideStepFactor = 2.0;  // a 64-row tile's step (4x a 16-row tile's MMA work)
 constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
 // Final-kernel programs resident per SM, by registers and shared memory (ncu, H100): 6 of the
 // one-branch kernel, 4 of the packed kernel at two warps (240-255 registers, 39-43 KB; the wide
-// tile with shared ranges runs 4 warps, 2 programs: the same warps; docs/perf.md sessions 29,
-// 30). final_programs_per_sm() picks by lanes; a partial launch's waves count kWaves per SM.
+// tile with shared ranges runs 4 warps, 2 programs: the same warps). final_programs_per_sm() picks
+// by lanes; a partial launch's waves count kWaves per SM.
 constexpr int64_t kFinalProgramsPerSm = 6;
 constexpr int64_t kPackedFinalProgramsPerSm = 4;
 // Partial slots the merge kernel folds per step (dispatch.MERGE_BLOCK_S; a test checks).
@@ -110,9 +108,9 @@ constexpr int64_t kMergeSlotsPerStep = 16;
 // of two and at least kMinPackedLanes, that leave kMinFinalProgramsPerSm programs per SM. Two
 // lanes rarely pay: they were the fastest count on 4 of 73 trees whose tile holds four, by at
 // most 3.4%, and at group 8, where the tile holds two, at most 4.6% faster than one lane and
-// up to 15% slower (H100, docs/perf.md session 24: 96 trees of 16-512 leaves at GQA groups
-// 1-8; ft_1,16,64/q32kv32 62.0 -> 53.5 us at 8 lanes, not 4; session 11: 256 leaves of 64
-// tokens x 8 KV heads 40.2 -> 34.0 us at 4 lanes).
+// up to 15% slower (H100, 96 trees of 16-512 leaves at GQA groups 1-8; ft_1,16,64/q32kv32
+// 62.0 -> 53.5 us at 8 lanes, not 4; the final launch over 256 leaves of 64 tokens x 8 KV
+// heads 40.2 -> 34.0 us at 4 lanes, not 1).
 constexpr int64_t kMinFinalProgramsPerSm = 1;
 constexpr int64_t kMinPackedLanes = 4;
 // Packed final programs (240 registers x 2 warps, 39 KB of shared memory) that fit on an SM
@@ -120,7 +118,7 @@ constexpr int64_t kMinPackedLanes = 4;
 // program per SM (kLoneRootWaves), a final launch started early walks the leaves of only that
 // many programs per SM while the root computes; the rest wait for the root to end. So there a
 // packed launch takes more lanes, until its programs fit beside the root or the tile is full
-// (H100, docs/perf.md session 22: seed_b128/q32kv8 37.2 -> 30.3 us at 4 lanes, not 2;
+// (H100: seed_b128/q32kv8 37.2 -> 30.3 us at 4 lanes, not 2;
 // seed_b64/q32kv32 49.3 -> 47.3 at 8, not 4; an unpacked launch, lighter, is left alone:
 // seed_b64/q32kv8 24.0 us at one lane, 24.6 at 2).
 constexpr int64_t kPackedFinalsBesideRoot = 2;
@@ -128,16 +126,15 @@ constexpr int64_t kPackedFinalsBesideRoot = 2;
 // (PlanShape::wide_final_rows) until its programs fit there, but only where the root's launch
 // outlasts the final launch by estimated_us()'s terms: then every leaf can be walked while the
 // root computes. Where the leaves outweigh the root, the wider programs' longer walks lose
-// (H100, docs/perf.md session 23: seed_b256/q32kv8 60.4 -> 50.4 us at 8 lanes; ft_1,256/q32kv8
+// (H100: seed_b256/q32kv8 60.4 -> 50.4 us at 8 lanes; ft_1,256/q32kv8
 // 28.9 -> 29.5, seed_b256/q32kv32 121.1 -> 128.0, ft_1,256/q32kv32 63.0 -> 72.3).
 // The last launch starts at the (last) partial launch's programs' start, not after their walks,
 // where it has work of its own before it waits: a final program walks its branches' final
 // ranges while partial programs still run, and waits only before its merge. tree_merge has
 // nothing to do before its wait, so plans
-// that merge separately keep the late start (H100, docs/perf.md session 16, the kernels of
-// session 14 on: early no slower on any of the 19 final-kernel plans of the cases file that
-// session 15's rule left late, ft_1,2,64/q32kv8 20.2 -> 17.5 us, ft_1,4,256/q32kv8 35.0 ->
-// 31.1, seed_b256/q32kv8 65.8 -> 64.9; session 12: long_1,4/q16kv1, a merge plan, 28.9 -> 31.6).
+// that merge separately keep the late start (H100: the early start is no slower on any of the
+// cases file's final-kernel plans, ft_1,2,64/q32kv8 20.2 -> 17.5 us, ft_1,4,256/q32kv8 35.0 ->
+// 31.1, seed_b256/q32kv8 65.8 -> 64.9; long_1,4/q16kv1, a merge plan, 28.9 -> 31.6 early).
 
 // A flat plan whose packed final programs group sibling leaves (the wide final tile's lanes,
 // kMinPackedLanes at least) walks each program's shared path once: it is kept where
@@ -147,16 +144,15 @@ constexpr int64_t kPackedFinalsBesideRoot = 2;
 // a walk of 4 tiles; at 8-9 tiles a tie or a loss, ft_1,256/q32kv8 28.8 -> 30.4,
 // ft_1,4,256/q32kv8 32.0 -> 35.5, ft_1,2,64/q32kv8 17.9 -> 20.3). Two lanes halve the programs for
 // at most half the reads: at GQA group 16 every tree lost (ft_deep16/q16kv1 22.1 -> 24.0 at a
-// walk of 3, ft_1,256/q16kv1 14.7 -> 18.2 at 5; docs/perf.md session 25).
+// walk of 3, ft_1,256/q16kv1 14.7 -> 18.2 at 5).
 constexpr int64_t kSharedRangeWalk = 6;
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
 // run_split: where the second run of consecutive slots of the item's range begins, for the
 // kernels that read it as two runs (item_runs() writes it; the planner writes kv_end).
-constexpr std::array<const char*, 9> kTreeItemFields = {"table_row", "kv_start",       "kv_end",
-                                                        "row_ptr",   "num_rows",       "first_flat_row",
-                                                        "entry0",    "open_end",       "run_split"};
+constexpr std::array<const char*, 9> kTreeItemFields = {
+    "table_row", "kv_start", "kv_end", "row_ptr", "num_rows", "first_flat_row", "entry0", "open_end", "run_split"};
 
 // A packed final program's shared range is an int32 record of these fields (Python's
 // specializations.COMMON_FIELDS must match: a test checks): tokens [start, end) that every lane
@@ -234,8 +230,7 @@ struct ItemList {
 struct Plan {
   std::vector<int32_t> order;
   std::vector<int32_t> common;  // per final program where one shares a range, else empty
-  std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0,
-      chunk_open;
+  std::vector<int64_t> chunk_start, chunk_end, chunk_rows, chunk_row_ptr, chunk_table_row, chunk_entry0, chunk_open;
   std::vector<ItemList> items;  // by increasing block_m, only tiles in use
   std::vector<int32_t> final_start, merge_ptr, entry_slot;
   int64_t num_entries = 0;
@@ -269,20 +264,19 @@ void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<i
 // (Python's dispatch.SLOT_RUN_COUNTS ends at it: a test checks).
 constexpr int kMaxItemRuns = 2;
 
-// How tree_partial may read the items of `items`: the runs of consecutive slots the most
-// scattered item's range lies in, 1 or 2 (the SLOT_RUNS kernels: a run's first page id read at
-// run time, then no page arithmetic per token; H100, seed_b256/q32kv8 64.6 -> 61.7 us, docs/perf.md
-// session 19; a root folded into its children's items, two runs, ft_1,4,16,512/q32kv8 session 27),
-// or 0 where some item takes the page kernels: it is open, leaves its table row's shared ranges or
-// the tables (row r's `stride` block ids from tables + r * stride; final_start.size() rows), or
-// its pages break more than kMaxItemRuns - 1 times (a hosted node's item of three runs reads
-// through its pages as fast: H100, ft_1,4,16,512/q32kv8 75.6 us either way, docs/perf.md session
-// 34). Where it returns 2 it writes each item's run_split (where its second run begins; kv_end
-// for an item of one run); otherwise the records are left as they were. Shared ranges (before
-// final_start[row]) keep their tokens where they are while a plan is valid: frPlanUpdate refuses
-// a changed block there, and the Python allocator copies on write only a row's last block, whose
-// shared tokens stay in the original (a holder keeps it and writes only past them;
-// tests/test_tree_attention.py runs a plan after such copies).
+// How tree_partial may read the items of `items`: the runs of consecutive slots the most scattered
+// item's range lies in, 1 or 2 (the SLOT_RUNS kernels: a run's first page id read at run time, then
+// no page arithmetic per token; H100, seed_b256/q32kv8 64.6 -> 61.7 us; a root folded into its
+// children's items, two runs, ft_1,4,16,512/q32kv8 102.3 -> 89.1 us), or 0 where some item takes
+// the page kernels: it is open, leaves its table row's shared ranges or the tables (row r's
+// `stride` block ids from tables + r * stride; final_start.size() rows), or its pages break more
+// than kMaxItemRuns - 1 times (a hosted node's item of three runs reads through its pages as fast:
+// H100, ft_1,4,16,512/q32kv8 75.6 us either way). Where it returns 2 it writes each item's
+// run_split (where its second run begins; kv_end for an item of one run); otherwise the records are
+// left as they were. Shared ranges (before final_start[row]) keep their tokens where they are while
+// a plan is valid: frPlanUpdate refuses a changed block there, and the Python allocator copies on
+// write only a row's last block, whose shared tokens stay in the original (a holder keeps it and
+// writes only past them; tests/test_tree_attention.py runs a plan after such copies).
 int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const int32_t* tables, int64_t stride,
               int64_t block_size);
 // The same over int64 tables, row r's at tables + rows[r] * stride: the Python allocator's
@@ -296,23 +290,22 @@ int item_runs(ItemList* items, const std::vector<int32_t>& final_start, const in
 // (items follow the ranges' order: shallower nodes and computed roots, the long ones, before
 // deeper nodes and final ranges); where items are alike, or the launch runs many waves (the
 // scheduler balances those), each head's items together keep the row tiles that share a chunk
-// side by side. H100 (docs/perf.md session 27), the bench built both ways: ft_1,4,16,512/q32kv8 (1280-
-// and 128-token items, 3.9 programs per SM) 88.5 -> 85.5 us, long_1,4/q32kv8 (2.2) 59.2 -> 57.3;
-// ft_1,4,16,512/q32kv32 (7.8) 167.3 -> 169.8; ci/explore_grid_order.py, the order flipped:
-// ft_1,1024/q32kv8's equal items 163.0 against 163.8 heads first.
+// side by side. H100, the bench built both ways: ft_1,4,16,512/q32kv8 (1280- and 128-token
+// items, 3.9 programs per SM) 88.5 -> 85.5 us, long_1,4/q32kv8 (2.2) 59.2 -> 57.3;
+// ft_1,4,16,512/q32kv32 (7.8) 167.3 -> 169.8; ft_1,1024/q32kv8's equal items 159.0 -> 158.4.
 constexpr int64_t kHeadsFirstLengthRatio = 2;
 constexpr int64_t kHeadsFirstProgramsPerSm = 4;
 // A CUDA grid's second dimension: a heads-first launch's items at most.
 constexpr int64_t kMaxGridY = 65535;
 
-// A packed final launch (several branches a program) without shared ranges, over token rows of
-// at least kHeadsFirstRowBytes (a token's K across the KV heads), runs each program's KV heads
-// together: its heads' programs read the same token rows side by side, where each head's
-// programs together walk every branch once per head. Shared ranges (COMMON) read the other way
-// round lose, and rows of 2 KB gain nothing. H100 (docs/perf.md sessions 28-29; the bench, built
-// both ways on one machine): 8 KB rows (32 KV heads x 128 x fp16) 1-2% faster on every such plan
-// of the cases file (ft_1,1024/q32kv32 292.2 -> 285.9 us, ft_1,256/q32kv32 62.1 -> 60.8); 2 KB
-// rows from -1.5% (ft_1,1024/q32kv8) to +1.3% (ft_1,4,16,512/q32kv8).
+// A packed final launch (several branches a program) without shared ranges, over token rows of at
+// least kHeadsFirstRowBytes (a token's K across the KV heads), runs each program's KV heads
+// together: its heads' programs read the same token rows side by side, where each head's programs
+// together walk every branch once per head. Shared ranges (COMMON) read the other way round lose,
+// and rows of 2 KB gain nothing. H100 (the bench, built both ways on one machine): 8 KB rows (32 KV
+// heads x 128 x fp16) 1-2% faster on every such plan of the cases file (ft_1,1024/q32kv32 292.2 ->
+// 285.9 us, ft_1,256/q32kv32 62.1 -> 60.8); 2 KB rows from -1.5% (ft_1,1024/q32kv8) to +1.3%
+// (ft_1,4,16,512/q32kv8).
 constexpr int64_t kHeadsFirstRowBytes = 4096;
 bool final_heads_first(int64_t final_lanes, bool has_common, int64_t final_programs, int64_t kv_row_bytes);
 
@@ -347,7 +340,7 @@ bool final_starts_early(bool separate_merge);
 // plan runs paged_decode's kernel unsplit, one program per (branch, query tile), by
 // paged_decode's rules over the plan's tables: tree_final's merge bookkeeping (a final_start
 // load ahead of the first page) costs a dependent load, and packing lanes gains nothing
-// over whole branches (H100, docs/perf.md session 21: ft_1,4,256/q16kv1 14.6 -> 13.1 us,
+// over whole branches (H100: ft_1,4,256/q16kv1 14.6 -> 13.1 us,
 // ft_1,2,64/q16kv1 13.2 -> 11.0; flat_64x2048/q32kv32 713.2 -> 709.8, paged_decode's own launch).
 bool runs_as_paged_decode(bool separate_merge, int64_t num_entries, bool lanes_forced);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.

@@ -40,9 +40,8 @@ class TrieBuilder {
     // An ancestor has a smaller lo, or the same lo and a smaller start.
     std::vector<int64_t> perm(count);
     std::iota(perm.begin(), perm.end(), 0);
-    std::stable_sort(perm.begin(), perm.end(), [&](int64_t a, int64_t b) {
-      return lo_[a] != lo_[b] ? lo_[a] < lo_[b] : start_[a] < start_[b];
-    });
+    std::stable_sort(perm.begin(), perm.end(),
+                     [&](int64_t a, int64_t b) { return lo_[a] != lo_[b] ? lo_[a] < lo_[b] : start_[a] < start_[b]; });
     std::vector<int64_t> new_id(count);
     for (int64_t k = 0; k < count; ++k) new_id[perm[k]] = k;
     auto renamed = [&](int64_t v) { return v < 0 ? v : new_id[v]; };
@@ -78,15 +77,13 @@ class TrieBuilder {
   // Each row's root-to-end path; parents precede children, so depths come in one pass.
   static void fill_paths(SegmentTree* t) {
     std::vector<int64_t> depth(t->num_nodes());
-    for (int64_t v = 0; v < t->num_nodes(); ++v)
-      depth[v] = t->node_parent[v] < 0 ? 1 : depth[t->node_parent[v]] + 1;
+    for (int64_t v = 0; v < t->num_nodes(); ++v) depth[v] = t->node_parent[v] < 0 ? 1 : depth[t->node_parent[v]] + 1;
     t->path_ptr.assign(t->num_rows() + 1, 0);
     for (int64_t i = 0; i < t->num_rows(); ++i)
       t->path_ptr[i + 1] = t->path_ptr[i] + (t->end_node[i] < 0 ? 0 : depth[t->end_node[i]]);
     t->path_nodes.resize(t->path_ptr.back());
     for (int64_t i = 0; i < t->num_rows(); ++i)
-      for (int64_t v = t->end_node[i], k = t->path_ptr[i + 1]; v >= 0; v = t->node_parent[v])
-        t->path_nodes[--k] = v;
+      for (int64_t v = t->end_node[i], k = t->path_ptr[i + 1]; v >= 0; v = t->node_parent[v]) t->path_nodes[--k] = v;
   }
 
   std::vector<int64_t> start_, end_, parent_, lo_, hi_;
@@ -104,11 +101,12 @@ void build_from_sorted(std::vector<int64_t> order, const std::vector<int64_t>& l
 }
 
 Status check_lengths(int64_t num_rows, const int64_t* lengths) {
-  if (num_rows < 0) return Status::Error(Code::kInvalidArgument, "num_rows must be >= 0, got " + std::to_string(num_rows));
+  if (num_rows < 0)
+    return Status::Error(Code::kInvalidArgument, "num_rows must be >= 0, got " + std::to_string(num_rows));
   for (int64_t i = 0; i < num_rows; ++i)
     if (lengths[i] < 0)
-      return Status::Error(Code::kInvalidArgument, "lengths[" + std::to_string(i) + "] must be >= 0, got " +
-                                                       std::to_string(lengths[i]));
+      return Status::Error(Code::kInvalidArgument,
+                           "lengths[" + std::to_string(i) + "] must be >= 0, got " + std::to_string(lengths[i]));
   return Status::Ok();
 }
 
@@ -130,7 +128,9 @@ void trie_order(const Keys& keys, const int64_t* lengths, int64_t num_rows, std:
   auto equal_rows = [&](int64_t b, int64_t e) {
     for (int64_t i = b + 1; i < e; ++i) (*lcp)[i] = lengths[(*order)[i]];
   };
-  struct Group { int64_t begin, end, col; };
+  struct Group {
+    int64_t begin, end, col;
+  };
   std::vector<Group> stack = {{0, num_rows, 0}};
   std::vector<std::pair<int64_t, int64_t>> split;  // (key, row) of the group being split
   while (!stack.empty()) {
@@ -140,7 +140,10 @@ void trie_order(const Keys& keys, const int64_t* lengths, int64_t num_rows, std:
     int64_t* rows = order->data() + g.begin;
     int64_t size = g.end - g.begin, col = keys.columns();
     for (int64_t i = 1; i < size; ++i) col = keys.run_end(rows[0], rows[i], g.col, col);
-    if (col == keys.columns()) { equal_rows(g.begin, g.end); continue; }
+    if (col == keys.columns()) {
+      equal_rows(g.begin, g.end);
+      continue;
+    }
     // At col the rows differ, or all hold the same terminal key (one run, equal rows). A
     // group's rows are in increasing id order, so sorting by (key, row) is the stable sort.
     split.resize(size);
@@ -151,8 +154,10 @@ void trie_order(const Keys& keys, const int64_t* lengths, int64_t num_rows, std:
     for (int64_t run = 0, i = 1; i <= size; ++i) {
       if (i < size && split[i].first == split[run].first) continue;
       if (i < size) (*lcp)[g.begin + i] = keys.shared(col, split[i - 1].first, split[i].first);
-      if (keys.terminal(split[run].first)) equal_rows(g.begin + run, g.begin + i);
-      else stack.push_back({g.begin + run, g.begin + i, col + 1});
+      if (keys.terminal(split[run].first))
+        equal_rows(g.begin + run, g.begin + i);
+      else
+        stack.push_back({g.begin + run, g.begin + i, col + 1});
       run = i;
     }
   }

@@ -27,10 +27,12 @@ Status select_arch(int compute_capability, const std::vector<std::string>& avail
   int best = -1;
   for (const auto& name : available) {
     int cc = parse_arch(name);
-    bool usable = compute_capability / 10 == 8
-                      ? (cc / 10 == 8 && cc <= compute_capability)
-                      : (compute_capability == 90 && cc == 90);
-    if (usable && cc > best) { best = cc; *out = name; }
+    bool usable = compute_capability / 10 == 8 ? (cc / 10 == 8 && cc <= compute_capability)
+                                               : (compute_capability == 90 && cc == 90);
+    if (usable && cc > best) {
+      best = cc;
+      *out = name;
+    }
   }
   if (best >= 0) return Status::Ok();
   return Status::Error(Code::kUnsupportedArch, "no compiled kernels for device arch sm" +

@@ -13,14 +13,14 @@ Status Driver::error(CUresult rc, const std::string& call) const {
   const char* text = nullptr;
   if (cuGetErrorName(rc, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN";
   if (cuGetErrorString(rc, &text) != CUDA_SUCCESS || !text) text = "no description";
-  return Status::Error(Code::kCudaError, call + " failed: " + name + " (" + text + ", code " +
-                                             std::to_string(rc) + ")");
+  return Status::Error(Code::kCudaError,
+                       call + " failed: " + name + " (" + text + ", code " + std::to_string(rc) + ")");
 }
 
 namespace {
 
 std::mutex g_load_mutex;
-Driver g_driver;                          // filled once, then read-only
+Driver g_driver;  // filled once, then read-only
 std::atomic<const Driver*> g_ready{nullptr};
 
 template <typename Fn>
@@ -31,16 +31,34 @@ bool resolve(void* lib, const char* name, Fn* fn) {
 
 // Resolves every entry point; on failure names the first missing symbol.
 bool resolve_all(void* lib, Driver* d, const char** missing) {
-#define FR_RESOLVE(sym) \
-  if (!resolve(lib, #sym, &d->sym)) { *missing = #sym; return false; }
-  FR_RESOLVE(cuInit) FR_RESOLVE(cuGetErrorName) FR_RESOLVE(cuGetErrorString)
-  FR_RESOLVE(cuDeviceGet) FR_RESOLVE(cuDeviceGetAttribute) FR_RESOLVE(cuDevicePrimaryCtxRetain)
-  FR_RESOLVE(cuCtxGetCurrent) FR_RESOLVE(cuCtxSetCurrent) FR_RESOLVE(cuModuleLoadData)
-  FR_RESOLVE(cuModuleUnload) FR_RESOLVE(cuModuleGetFunction) FR_RESOLVE(cuFuncSetAttribute)
-  FR_RESOLVE(cuLaunchKernel) FR_RESOLVE(cuMemAlloc_v2) FR_RESOLVE(cuMemFree_v2) FR_RESOLVE(cuMemcpyHtoD_v2)
-  FR_RESOLVE(cuMemcpyDtoH_v2) FR_RESOLVE(cuMemcpyHtoDAsync_v2) FR_RESOLVE(cuStreamSynchronize)
+#define FR_RESOLVE(sym)                 \
+  do {                                  \
+    if (!resolve(lib, #sym, &d->sym)) { \
+      *missing = #sym;                  \
+      return false;                     \
+    }                                   \
+  } while (0)
+  FR_RESOLVE(cuInit);
+  FR_RESOLVE(cuGetErrorName);
+  FR_RESOLVE(cuGetErrorString);
+  FR_RESOLVE(cuDeviceGet);
+  FR_RESOLVE(cuDeviceGetAttribute);
+  FR_RESOLVE(cuDevicePrimaryCtxRetain);
+  FR_RESOLVE(cuCtxGetCurrent);
+  FR_RESOLVE(cuCtxSetCurrent);
+  FR_RESOLVE(cuModuleLoadData);
+  FR_RESOLVE(cuModuleUnload);
+  FR_RESOLVE(cuModuleGetFunction);
+  FR_RESOLVE(cuFuncSetAttribute);
+  FR_RESOLVE(cuLaunchKernel);
+  FR_RESOLVE(cuMemAlloc_v2);
+  FR_RESOLVE(cuMemFree_v2);
+  FR_RESOLVE(cuMemcpyHtoD_v2);
+  FR_RESOLVE(cuMemcpyDtoH_v2);
+  FR_RESOLVE(cuMemcpyHtoDAsync_v2);
+  FR_RESOLVE(cuStreamSynchronize);
 #undef FR_RESOLVE
-  resolve(lib, "cuLaunchKernelEx", &d->cuLaunchKernelEx);  // optional: may stay null
+  resolve(lib, "cuLaunchKernelEx", &d->cuLaunchKernelEx);              // optional: may stay null
   resolve(lib, "cuTensorMapEncodeTiled", &d->cuTensorMapEncodeTiled);  // optional too
   return true;
 }

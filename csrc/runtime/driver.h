@@ -68,8 +68,8 @@ struct Driver {
   CUresult (*cuModuleUnload)(CUmodule);
   CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char* name);
   CUresult (*cuFuncSetAttribute)(CUfunction, int attrib, int value);
-  CUresult (*cuLaunchKernel)(CUfunction, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                             unsigned bz, unsigned shared_bytes, CUstream, void** params, void** extra);
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned shared_bytes, CUstream, void** params, void** extra);
   // Device memory, for the C ABI's plans and callers without the CUDA runtime.
   CUresult (*cuMemAlloc_v2)(CUdeviceptr*, size_t bytes);
   CUresult (*cuMemFree_v2)(CUdeviceptr);
@@ -83,8 +83,8 @@ struct Driver {
   // Optional (null before CUDA 12): encodes the TMA descriptors of kernels that take them.
   CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, int data_type, unsigned rank, void* address,
                                      const unsigned long long* dims, const unsigned long long* strides,
-                                     const unsigned* box, const unsigned* element_strides, int interleave,
-                                     int swizzle, int l2_promotion, int oob_fill);
+                                     const unsigned* box, const unsigned* element_strides, int interleave, int swizzle,
+                                     int l2_promotion, int oob_fill);
 
   // "call failed: CUDA_ERROR_X (description)" for a failed driver call.
   Status error(CUresult rc, const std::string& call) const;

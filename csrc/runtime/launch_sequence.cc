@@ -75,8 +75,8 @@ Status LaunchSequence::prepare(Launcher* launcher, const std::vector<SequenceLau
     Status st = seq->add(launches[i]);
     if (!st.ok()) {
       // Which launch failed: the kernel name alone is ambiguous when a sequence repeats one.
-      st.message = "prepared launch " + std::to_string(i) + " of " + std::to_string(launches.size()) + ": " +
-                   st.message;
+      st.message =
+          "prepared launch " + std::to_string(i) + " of " + std::to_string(launches.size()) + ": " + st.message;
       return st;
     }
   }
@@ -94,8 +94,8 @@ Status LaunchSequence::add(const SequenceLaunch& launch) {
   std::copy(launch.grid, launch.grid + 3, step.grid);
   step.slots.resize(kMaxKernelParams);
   bool empty = false;
-  Status st = launcher_->pack_launch(launch.kernel, launch.grid, values.data(), values.size(), step.slots.data(),
-                                     &empty);
+  Status st =
+      launcher_->pack_launch(launch.kernel, launch.grid, values.data(), values.size(), step.slots.data(), &empty);
   if (!st.ok()) return st;
   const KernelInfo& k = launcher_->manifest().kernels[launch.kernel];
   for (size_t i = 0; i < launch.args.size(); ++i) {
@@ -106,7 +106,7 @@ Status LaunchSequence::add(const SequenceLaunch& launch) {
     if (first_use_[a.hole].empty())
       first_use_[a.hole] = "argument '" + k.params[i].name + "' of kernel '" + k.name + "'";
   }
-  step.slots.resize(k.params.size() + 2);  // the params, then Triton's two scratch pointers
+  step.slots.resize(k.params.size() + 2);         // the params, then Triton's two scratch pointers
   if (!empty) steps_.push_back(std::move(step));  // an empty grid is no work: nothing to run
   return Status::Ok();
 }
@@ -119,8 +119,7 @@ Status LaunchSequence::check_arg(const KernelInfo& k, size_t i, const SequenceAr
   if (a.hole < -1 || (a.hole >= 0 && size_t(a.hole) >= holes_.size()))
     return invalid(where() + " takes pointer " + std::to_string(a.hole) + ", but the sequence has " +
                    std::to_string(holes_.size()) + " pointers");
-  if (a.hole >= 0 && !pointer)
-    return invalid(where() + " cannot be a per-run pointer: it is not a pointer parameter");
+  if (a.hole >= 0 && !pointer) return invalid(where() + " cannot be a per-run pointer: it is not a pointer parameter");
   if (a.hole < 0 && pointer && slots[i] % kPointerAlign)
     return invalid(where() + " is " + hex(slots[i]) + ", not " + std::to_string(kPointerAlign) +
                    "-byte aligned (the kernels assume it)");

@@ -25,8 +25,16 @@ struct SequenceArg {
   Arg value = Arg::Int(0);
   int hole = -1;
 
-  static SequenceArg Value(Arg a) { SequenceArg s; s.value = a; return s; }
-  static SequenceArg Hole(int index) { SequenceArg s; s.hole = index; return s; }
+  static SequenceArg Value(Arg a) {
+    SequenceArg s;
+    s.value = a;
+    return s;
+  }
+  static SequenceArg Hole(int index) {
+    SequenceArg s;
+    s.hole = index;
+    return s;
+  }
 };
 
 struct SequenceLaunch {
@@ -72,8 +80,8 @@ class LaunchSequence {
   // pointer is aligned. Errors say which launch of the sequence failed. `launcher` must outlive
   // the sequence.
   // `holes` names the per-run pointers, for errors.
-  static Status prepare(Launcher* launcher, const std::vector<SequenceLaunch>& launches,
-                        std::vector<std::string> holes, std::unique_ptr<LaunchSequence>* out);
+  static Status prepare(Launcher* launcher, const std::vector<SequenceLaunch>& launches, std::vector<std::string> holes,
+                        std::unique_ptr<LaunchSequence>* out);
 
   // Checks the pointers (count; each non-null and aligned) before launching
   // anything, then launches each non-empty launch in order on `stream` (each after the first

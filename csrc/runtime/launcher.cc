@@ -11,7 +11,7 @@
 namespace flash_reasoning {
 namespace {
 
-constexpr int kDefaultSharedLimit = 48 * 1024;  // above this, kernels must opt in
+constexpr int kDefaultSharedLimit = 48 * 1024;               // above this, kernels must opt in
 constexpr int64_t kMaxGrid[3] = {2147483647, 65535, 65535};  // CUDA grid limits
 
 std::string describe(const Arg& a) {
@@ -30,7 +30,8 @@ bool integer_bits(const Arg& a, const ParamType& t, bool is_i1, uint64_t* bits) 
   if (a.kind == Arg::Kind::kInt) {
     int64_t lo = t.kind == ParamKind::kSigned ? (width == 64 ? INT64_MIN : -(int64_t(1) << (width - 1))) : 0;
     int64_t hi = t.kind == ParamKind::kSigned ? (width == 64 ? INT64_MAX : (int64_t(1) << (width - 1)) - 1)
-                 : is_i1 ? 1 : (width == 64 ? INT64_MAX : (int64_t(1) << width) - 1);
+                 : is_i1                      ? 1
+                                              : (width == 64 ? INT64_MAX : (int64_t(1) << width) - 1);
     if (a.i < lo || a.i > hi) return false;
     *bits = static_cast<uint64_t>(a.i);  // two's complement: the low bytes are the narrow value
     return true;
@@ -77,21 +78,23 @@ Status check_tensor_map_view(const KernelInfo& k, size_t i, const uint64_t* fiel
   if (rows >= 1 && cols >= 1 && col_stride == 1 && row_stride >= cols && row_bytes % 16 == 0 &&
       row_bytes < (int64_t(1) << 40))
     return Status::Ok();
-  return Status::Error(Code::kInvalidArgument,
-                       "kernel '" + k.name + "': tensor map '" + p.name + "' views " + std::to_string(rows) + " x " +
-                           std::to_string(cols) + " elements with strides (" + std::to_string(row_stride) + ", " +
-                           std::to_string(col_stride) + "); it needs rows, cols >= 1, column stride 1 and a row "
-                           "stride >= cols whose bytes are a multiple of 16");
+  return Status::Error(Code::kInvalidArgument, "kernel '" + k.name + "': tensor map '" + p.name + "' views " +
+                                                   std::to_string(rows) + " x " + std::to_string(cols) +
+                                                   " elements with strides (" + std::to_string(row_stride) + ", " +
+                                                   std::to_string(col_stride) +
+                                                   "); it needs rows, cols >= 1, column stride 1 and a row "
+                                                   "stride >= cols whose bytes are a multiple of 16");
 }
 
 // Encodes a kTensorMap parameter's descriptor from its address slot and the fields after it.
 Status encode_tensor_map(const Driver& d, const KernelInfo& k, size_t i, const uint64_t* slots, CUtensorMap* out) {
   const TensorMapInfo& t = k.params[i].tensor_map;
   if (!d.cuTensorMapEncodeTiled)
-    return Status::Error(Code::kDriverUnavailable, "kernel '" + k.name + "' reads through TMA descriptors, but "
-                                                   "this driver has no cuTensorMapEncodeTiled (CUDA 12 or newer)");
+    return Status::Error(Code::kDriverUnavailable, "kernel '" + k.name +
+                                                       "' reads through TMA descriptors, but "
+                                                       "this driver has no cuTensorMapEncodeTiled (CUDA 12 or newer)");
   const uint64_t* f = slots + i + 1;
-  unsigned long long dims[2] = {uint32_t(f[1]), uint32_t(f[0])};  // innermost first: cols, rows
+  unsigned long long dims[2] = {uint32_t(f[1]), uint32_t(f[0])};   // innermost first: cols, rows
   unsigned long long strides[1] = {f[2] * uint64_t(t.elem_size)};  // bytes between rows
   unsigned box[2] = {unsigned(t.box[1]), unsigned(t.box[0])};
   unsigned element_strides[2] = {1, 1};
@@ -123,7 +126,10 @@ Status Launcher::open(const std::string& arch_dir, int device, std::unique_ptr<L
 
 Status Launcher::find(const std::string& name, int* index) const {
   auto it = index_.find(name);
-  if (it != index_.end()) { *index = it->second; return Status::Ok(); }
+  if (it != index_.end()) {
+    *index = it->second;
+    return Status::Ok();
+  }
   const auto& ks = manifest_.kernels;
   std::string msg = "unknown kernel '" + name + "' (the manifest of " + manifest_.arch + " has " +
                     std::to_string(ks.size()) + " kernels";
@@ -198,8 +204,16 @@ Status Launcher::launch_packed(int index, const int64_t grid[3], const uint64_t*
     CUlaunchAttribute overlap = {};
     overlap.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     overlap.value.programmatic_stream_serialization_allowed = 1;
-    CUlaunchConfig config = {unsigned(grid[0]), unsigned(grid[1]), unsigned(grid[2]), unsigned(k.num_warps * 32),
-                             1, 1, unsigned(k.shared), stream, &overlap, 1};
+    CUlaunchConfig config = {unsigned(grid[0]),
+                             unsigned(grid[1]),
+                             unsigned(grid[2]),
+                             unsigned(k.num_warps * 32),
+                             1,
+                             1,
+                             unsigned(k.shared),
+                             stream,
+                             &overlap,
+                             1};
     CUresult rc = d->cuLaunchKernelEx(&config, f, params, nullptr);
     return rc == CUDA_SUCCESS ? Status::Ok() : d->error(rc, "cuLaunchKernelEx(" + k.name + ", overlapping)");
   }
@@ -249,7 +263,10 @@ Status Launcher::function(const Driver& d, int index, CUfunction* out) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   std::vector<CUfunction>& row = functions_[ctx];
   row.resize(manifest_.kernels.size(), nullptr);
-  if (row[index]) { *out = row[index]; return Status::Ok(); }
+  if (row[index]) {
+    *out = row[index];
+    return Status::Ok();
+  }
   if (!(st = load(d, manifest_.kernels[index], out)).ok()) return st;
   row[index] = *out;
   return Status::Ok();
@@ -264,8 +281,8 @@ Status Launcher::load(const Driver& d, const KernelInfo& k, CUfunction* out) {
   if (!st.ok()) return st;
   std::string digest = sha256_hex(image.data(), image.size());
   if (digest != k.sha256)
-    return Status::Error(Code::kCorruptedArtifact, "corrupted artifact " + path + ": sha256 is " + digest +
-                                                       ", the manifest says " + k.sha256);
+    return Status::Error(Code::kCorruptedArtifact,
+                         "corrupted artifact " + path + ": sha256 is " + digest + ", the manifest says " + k.sha256);
   CUmodule module;
   CUresult rc = d.cuModuleLoadData(&module, image.data());
   if (rc != CUDA_SUCCESS) return d.error(rc, "cuModuleLoadData(" + k.cubin + ")");
@@ -278,8 +295,8 @@ Status Launcher::load(const Driver& d, const KernelInfo& k, CUfunction* out) {
     rc = d.cuFuncSetAttribute(*out, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, k.shared);
     if (rc != CUDA_SUCCESS) {
       d.cuModuleUnload(module);
-      return d.error(rc, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES=" + std::to_string(k.shared) + ", " +
-                             k.name + ")");
+      return d.error(
+          rc, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES=" + std::to_string(k.shared) + ", " + k.name + ")");
     }
   }
   modules_.push_back(module);

@@ -25,12 +25,19 @@ namespace flash_reasoning {
 struct Arg {
   enum class Kind : uint8_t { kInt, kUInt, kFloat, kTooLarge, kNotANumber };
   Kind kind = Kind::kNotANumber;
-  union { int64_t i; uint64_t u; double f; };
+  union {
+    int64_t i;
+    uint64_t u;
+    double f;
+  };
 
+  // clang-format off: one line each reads as the table it is
   static Arg Int(int64_t v) { Arg a; a.kind = Kind::kInt; a.i = v; return a; }
   static Arg UInt(uint64_t v) { Arg a; a.kind = Kind::kUInt; a.u = v; return a; }
   static Arg Float(double v) { Arg a; a.kind = Kind::kFloat; a.f = v; return a; }
-  static Arg Of(Kind k) { Arg a; a.kind = k; a.u = 0; return a; }  // kTooLarge / kNotANumber
+  // kTooLarge or kNotANumber: a value that cannot be packed, kept to be reported.
+  static Arg Of(Kind k) { Arg a; a.kind = k; a.u = 0; return a; }
+  // clang-format on
 };
 
 // Pointer alignment the kernels were compiled for (tt.divisibility 16 on every pointer).

@@ -11,19 +11,29 @@
 namespace flash_reasoning {
 
 bool parse_param_type(const std::string& type, ParamType* out) {
-  if (!type.empty() && type[0] == '*') { *out = {ParamKind::kPointer, 8}; return true; }
-  if (type == "nvTmaDesc") { *out = {ParamKind::kTensorMap, 128}; return true; }
+  if (!type.empty() && type[0] == '*') {
+    *out = {ParamKind::kPointer, 8};
+    return true;
+  }
+  if (type == "nvTmaDesc") {
+    *out = {ParamKind::kTensorMap, 128};
+    return true;
+  }
   // Triton passes i1 as a byte. Scalar fp16/bf16 are not supported (never used by our kernels).
-  static const struct { const char* name; ParamType type; } kTable[] = {
-      {"i1", {ParamKind::kUnsigned, 1}}, {"i8", {ParamKind::kSigned, 1}},
-      {"i16", {ParamKind::kSigned, 2}},  {"i32", {ParamKind::kSigned, 4}},
-      {"i64", {ParamKind::kSigned, 8}},  {"u8", {ParamKind::kUnsigned, 1}},
-      {"u16", {ParamKind::kUnsigned, 2}}, {"u32", {ParamKind::kUnsigned, 4}},
-      {"u64", {ParamKind::kUnsigned, 8}}, {"fp32", {ParamKind::kFloat, 4}},
-      {"fp64", {ParamKind::kFloat, 8}},
+  static const struct {
+    const char* name;
+    ParamType type;
+  } kTable[] = {
+      {"i1", {ParamKind::kUnsigned, 1}},  {"i8", {ParamKind::kSigned, 1}},    {"i16", {ParamKind::kSigned, 2}},
+      {"i32", {ParamKind::kSigned, 4}},   {"i64", {ParamKind::kSigned, 8}},   {"u8", {ParamKind::kUnsigned, 1}},
+      {"u16", {ParamKind::kUnsigned, 2}}, {"u32", {ParamKind::kUnsigned, 4}}, {"u64", {ParamKind::kUnsigned, 8}},
+      {"fp32", {ParamKind::kFloat, 4}},   {"fp64", {ParamKind::kFloat, 8}},
   };
   for (const auto& row : kTable)
-    if (type == row.name) { *out = row.type; return true; }
+    if (type == row.name) {
+      *out = row.type;
+      return true;
+    }
   return false;
 }
 
@@ -42,8 +52,7 @@ class Validator {
     return Status::Error(Code::kInvalidManifest, "invalid manifest " + path_ + ": field '" + field + "' " + problem);
   }
 
-  Status member(const JsonValue& obj, const std::string& key, const std::string& where,
-                const JsonValue** out) const {
+  Status member(const JsonValue& obj, const std::string& key, const std::string& where, const JsonValue** out) const {
     *out = obj.find(key);
     return *out ? Status::Ok() : error(where + key, "is missing");
   }
@@ -136,13 +145,11 @@ Status parse_params(const Validator& v, const JsonValue& kernel, const std::stri
     ParamInfo p;
     if (!(st = v.string(params->items[i], "name", at, &p.name)).ok()) return st;
     if (!(st = v.string(params->items[i], "type", at, &p.type)).ok()) return st;
-    if (!parse_param_type(p.type, &p.packed))
-      return v.error(at + "type", "has unsupported type '" + p.type + "'");
+    if (!parse_param_type(p.type, &p.packed)) return v.error(at + "type", "has unsupported type '" + p.type + "'");
     bool scratch = i + 2 >= n;
     if (scratch && p.packed.kind != ParamKind::kPointer)
       return v.error(at + "type", "must be a pointer (Triton scratch parameter), got '" + p.type + "'");
-    if (p.packed.kind == ParamKind::kTensorMap && !(st = parse_tensor_map(v, params->items[i], at, &p)).ok())
-      return st;
+    if (p.packed.kind == ParamKind::kTensorMap && !(st = parse_tensor_map(v, params->items[i], at, &p)).ok()) return st;
     if (!scratch) k->params.push_back(std::move(p));
   }
   int maps = 0;
@@ -178,7 +185,10 @@ Status parse_kernel(const Validator& v, const JsonValue& obj, const std::string&
 
 // A rule's bound: a positive number, or null for any (-1).
 bool parse_bound(const JsonValue& value, double* bound) {
-  if (value.kind == JsonValue::Kind::kNull) { *bound = -1; return true; }
+  if (value.kind == JsonValue::Kind::kNull) {
+    *bound = -1;
+    return true;
+  }
   *bound = value.is_number() ? value.number : 0;
   return value.is_number() && value.number > 0;
 }
@@ -216,8 +226,7 @@ Status parse_dispatch_section(const Validator& v, const JsonValue* dispatch, con
   std::unordered_map<std::string, int> index;
   for (size_t i = 0; i < kernels.size(); ++i) index[kernels[i].name] = int(i);
   for (size_t i = 0; i < rules->keys.size(); ++i) {
-    Status st = parse_rules(v, rules->items[i], "dispatch.rules." + rules->keys[i], index,
-                            &out->rules[rules->keys[i]]);
+    Status st = parse_rules(v, rules->items[i], "dispatch.rules." + rules->keys[i], index, &out->rules[rules->keys[i]]);
     if (!st.ok()) return st;
   }
   for (size_t i = 0; i < constants->keys.size(); ++i) {
@@ -260,9 +269,13 @@ Status DispatchTable::pick(const std::string& key, int64_t max_tokens, int64_t p
   if (it == rules.end())
     return Status::Error(Code::kNotFound, "no compiled kernel serves " + key + " (" +
                                               (rules.empty() ? "the manifest has no dispatch rules: rebuild it"
-                                                             : "head_dim or dtype not built for this arch") + ")");
+                                                             : "head_dim or dtype not built for this arch") +
+                                              ")");
   for (const DispatchRule& r : it->second)
-    if (r.serves(max_tokens, programs, num_sms)) { *kernel = r.kernel; return Status::Ok(); }
+    if (r.serves(max_tokens, programs, num_sms)) {
+      *kernel = r.kernel;
+      return Status::Ok();
+    }
   // Parsing requires a final rule for any launch, so only a table built in memory gets here.
   return Status::Error(Code::kInvalidManifest, "the rules for " + key + " end without a rule for any launch");
 }

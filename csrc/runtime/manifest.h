@@ -25,9 +25,9 @@ struct ParamType {
 // How a kTensorMap parameter's descriptor is encoded (cuTensorMapEncodeTiled's arguments the
 // compiled kernel fixed): from the manifest's "tensor_map" of the parameter.
 struct TensorMapInfo {
-  int data_type = 0;  // CUtensorMapDataType
-  int elem_size = 0;  // bytes
-  int swizzle = 0;    // CUtensorMapSwizzle
+  int data_type = 0;    // CUtensorMapDataType
+  int elem_size = 0;    // bytes
+  int swizzle = 0;      // CUtensorMapSwizzle
   int box[2] = {0, 0};  // the tile one load reads: rows, columns
 };
 
@@ -42,11 +42,11 @@ struct ParamInfo {
 };
 
 struct KernelInfo {
-  std::string name;    // unique id used to launch
-  std::string family;  // "kernel" field (informational; may be empty)
-  std::string entry;   // function name inside the cubin
-  std::string cubin;   // file name relative to the arch folder
-  std::string sha256;  // lowercase hex of the cubin bytes
+  std::string name;               // unique id used to launch
+  std::string family;             // "kernel" field (informational; may be empty)
+  std::string entry;              // function name inside the cubin
+  std::string cubin;              // file name relative to the arch folder
+  std::string sha256;             // lowercase hex of the cubin bytes
   std::vector<ParamInfo> params;  // caller-supplied params only (scratch params dropped)
   int num_warps = 0;
   int shared = 0;  // dynamic shared memory, bytes
@@ -81,8 +81,8 @@ struct DispatchTable {
 };
 
 struct Manifest {
-  std::string dir;   // the arch folder the manifest was read from
-  std::string arch;  // e.g. "sm90"
+  std::string dir;              // the arch folder the manifest was read from
+  std::string arch;             // e.g. "sm90"
   std::string package_version;  // of the package that built it ("" when absent)
   std::vector<KernelInfo> kernels;
   DispatchTable dispatch;  // empty for manifests without a "dispatch" section

@@ -60,8 +60,8 @@ Status read_file(const std::string& path, const char* what, std::string* out, si
   if (fd < 0) {
     int err = errno;
     Code code = (err == ENOENT || err == ENOTDIR) ? Code::kNotFound : Code::kIoError;
-    return Status::Error(code, std::string(what) + " not found or unreadable: " + path + " (" +
-                                   std::strerror(err) + ")");
+    return Status::Error(code,
+                         std::string(what) + " not found or unreadable: " + path + " (" + std::strerror(err) + ")");
   }
   struct stat info;
   Status st;
@@ -89,7 +89,8 @@ namespace flash_reasoning {
 
 Status list_folders_with(const std::string& dir, const std::string& marker, std::vector<std::string>* out) {
   DIR* d = opendir(dir.c_str());
-  if (!d) return Status::Error(Code::kNotFound, "artifact folder " + dir + " cannot be opened: " + std::strerror(errno));
+  if (!d)
+    return Status::Error(Code::kNotFound, "artifact folder " + dir + " cannot be opened: " + std::strerror(errno));
   out->clear();
   while (dirent* e = readdir(d)) {
     std::string name = e->d_name;

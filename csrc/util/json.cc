@@ -38,13 +38,14 @@ class Parser {
     return false;
   }
   void skip_space() {
-    while (pos_ < s_.size() &&
-           (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\r' || s_[pos_] == '\n'))
-      ++pos_;
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\r' || s_[pos_] == '\n')) ++pos_;
   }
   bool eat(char c) {
     skip_space();
-    if (pos_ < s_.size() && s_[pos_] == c) { ++pos_; return true; }
+    if (pos_ < s_.size() && s_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
     return false;
   }
   bool literal(const char* word) {
@@ -61,13 +62,19 @@ class Parser {
     char c = s_[pos_];
     if (c == '{') return object(v, depth);
     if (c == '[') return array(v, depth);
-    if (c == '"') { v->kind = JsonValue::Kind::kString; return string(&v->string); }
+    if (c == '"') {
+      v->kind = JsonValue::Kind::kString;
+      return string(&v->string);
+    }
     if (c == 't' || c == 'f') {
       v->kind = JsonValue::Kind::kBool;
       v->boolean = (c == 't');
       return literal(c == 't' ? "true" : "false");
     }
-    if (c == 'n') { v->kind = JsonValue::Kind::kNull; return literal("null"); }
+    if (c == 'n') {
+      v->kind = JsonValue::Kind::kNull;
+      return literal("null");
+    }
     return number(v);
   }
 
@@ -103,9 +110,14 @@ class Parser {
     // Validate the JSON grammar first: strtod alone would accept "0x1p3", "inf", ...
     size_t start = pos_;
     if (s_[pos_] == '-') ++pos_;
-    if (pos_ < s_.size() && s_[pos_] == '0') ++pos_;  // no leading zeros: "01" is invalid JSON
-    else if (!digits()) return fail("invalid number");
-    if (pos_ < s_.size() && s_[pos_] == '.') { ++pos_; if (!digits()) return fail("invalid number"); }
+    if (pos_ < s_.size() && s_[pos_] == '0')
+      ++pos_;  // no leading zeros: "01" is invalid JSON
+    else if (!digits())
+      return fail("invalid number");
+    if (pos_ < s_.size() && s_[pos_] == '.') {
+      ++pos_;
+      if (!digits()) return fail("invalid number");
+    }
     if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
       ++pos_;
       if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
@@ -126,18 +138,26 @@ class Parser {
     *out = 0;
     for (int i = 0; i < 4; ++i) {
       char c = s_[pos_++];
-      int d = (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10
-            : (c >= 'A' && c <= 'F') ? c - 'A' + 10 : -1;
+      int d = (c >= '0' && c <= '9')   ? c - '0'
+              : (c >= 'a' && c <= 'f') ? c - 'a' + 10
+              : (c >= 'A' && c <= 'F') ? c - 'A' + 10
+                                       : -1;
       if (d < 0) return fail("invalid \\u escape");
       *out = *out * 16 + d;
     }
     return true;
   }
   static void append_utf8(unsigned cp, std::string* out) {
-    if (cp < 0x80) { out->push_back(char(cp)); return; }
-    if (cp < 0x800) { out->push_back(char(0xC0 | cp >> 6)); }
-    else if (cp < 0x10000) { out->push_back(char(0xE0 | cp >> 12)); out->push_back(char(0x80 | (cp >> 6 & 0x3F))); }
-    else {
+    if (cp < 0x80) {
+      out->push_back(char(cp));
+      return;
+    }
+    if (cp < 0x800) {
+      out->push_back(char(0xC0 | cp >> 6));
+    } else if (cp < 0x10000) {
+      out->push_back(char(0xE0 | cp >> 12));
+      out->push_back(char(0x80 | (cp >> 6 & 0x3F)));
+    } else {
       out->push_back(char(0xF0 | cp >> 18));
       out->push_back(char(0x80 | (cp >> 12 & 0x3F)));
       out->push_back(char(0x80 | (cp >> 6 & 0x3F)));
@@ -167,17 +187,24 @@ class Parser {
       char c = s_[pos_++];
       if (c == '"') return true;
       if (static_cast<unsigned char>(c) < 0x20) return fail("control character in string");
-      if (c != '\\') { out->push_back(c); continue; }
+      if (c != '\\') {
+        out->push_back(c);
+        continue;
+      }
       if (pos_ >= s_.size()) break;
       char e = s_[pos_++];
       switch (e) {
-        case '"': case '\\': case '/': out->push_back(e); break;
+        case '"':
+        case '\\':
+        case '/': out->push_back(e); break;
         case 'b': out->push_back('\b'); break;
         case 'f': out->push_back('\f'); break;
         case 'n': out->push_back('\n'); break;
         case 'r': out->push_back('\r'); break;
         case 't': out->push_back('\t'); break;
-        case 'u': if (!unicode_escape(out)) return false; break;
+        case 'u':
+          if (!unicode_escape(out)) return false;
+          break;
         default: return fail("invalid escape");
       }
     }

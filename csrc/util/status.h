@@ -10,17 +10,17 @@ namespace flash_reasoning {
 // Stable numeric codes: exposed to Python as LauncherError.code and to C callers.
 enum class Code : int {
   kOk = 0,
-  kInvalidArgument = 1,   // bad caller input (arg count, range, grid)
-  kNotFound = 2,          // unknown kernel, missing file
-  kInvalidManifest = 3,   // manifest.json unreadable as JSON or missing/bad field
-  kCorruptedArtifact = 4, // cubin bytes do not match the manifest's sha256
-  kDriverUnavailable = 5, // libcuda cannot be loaded or lacks an entry point
-  kCudaError = 6,         // a driver call returned an error
-  kUnsupportedArch = 7,   // no compiled arch serves this device
-  kIoError = 8,           // a file exists but cannot be read
-  kOutOfMemory = 9,       // host or device memory exhausted
-  kPlanMismatch = 10,     // a plan update would change what the plan reads once: re-plan
-  kUnsupported = 11,      // head_dim or dtype not compiled for this arch
+  kInvalidArgument = 1,    // bad caller input (arg count, range, grid)
+  kNotFound = 2,           // unknown kernel, missing file
+  kInvalidManifest = 3,    // manifest.json unreadable as JSON or missing/bad field
+  kCorruptedArtifact = 4,  // cubin bytes do not match the manifest's sha256
+  kDriverUnavailable = 5,  // libcuda cannot be loaded or lacks an entry point
+  kCudaError = 6,          // a driver call returned an error
+  kUnsupportedArch = 7,    // no compiled arch serves this device
+  kIoError = 8,            // a file exists but cannot be read
+  kOutOfMemory = 9,        // host or device memory exhausted
+  kPlanMismatch = 10,      // a plan update would change what the plan reads once: re-plan
+  kUnsupported = 11,       // head_dim or dtype not compiled for this arch
 };
 
 struct Status {

@@ -19,7 +19,8 @@ File format (little-endian):
     header  HEADER below: magic, version, frDtype (1 = float16), the sizes, first_block and
             the relative-error tolerance (reference.TOLERANCE of the dtype)
     arrays  in this order, C-contiguous, no padding:
-            k_pool, v_pool  dtype   [num_blocks, block_size, num_kv_heads, head_dim] (before the step)
+            k_pool, v_pool  dtype   [num_blocks, block_size, num_kv_heads, head_dim]
+                                    (before the step)
             q               dtype   [num_branches, num_qo_heads, head_dim]
             expected        float32 [num_branches, num_qo_heads, head_dim]
             k_new, v_new    dtype   [num_branches, num_kv_heads, head_dim] (the step's token,
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import struct
 
-import numpy as np
 import torch
 
 from flash_reasoning import PhysicalKVAllocator, reference
@@ -72,7 +72,8 @@ def check_layout(allocator: PhysicalKVAllocator, ids: list[int]) -> None:
     for b, length in enumerate(lengths):
         expected = [layout_block(b, j) for j in range(blocks_for(int(length)))]
         actual = tables[b, :len(expected)].tolist()
-        assert actual == expected, f"branch {b}: the allocator placed {actual}, the layout says {expected}"
+        assert actual == expected, \
+            f"branch {b}: the allocator placed {actual}, the layout says {expected}"
 
 
 def build_tree(allocator: PhysicalKVAllocator, gen: torch.Generator) -> list[int]:
@@ -81,7 +82,8 @@ def build_tree(allocator: PhysicalKVAllocator, gen: torch.Generator) -> list[int
     allocator.write(root, 0, *random_kv(allocator, gen, ROOT_TOKENS))
     branches = allocator.alloc_branches(NUM_BRANCHES, ROOT_TOKENS, root, ROOT_TOKENS)
     for branch in branches:
-        allocator.write(branch.branch_id, 0, *random_kv(allocator, gen, LEAF_TOKENS), start=ROOT_TOKENS)
+        allocator.write(branch.branch_id, 0, *random_kv(allocator, gen, LEAF_TOKENS),
+                        start=ROOT_TOKENS)
     return [b.branch_id for b in branches]
 
 
@@ -99,9 +101,12 @@ def raw(t: torch.Tensor) -> bytes:
 
 def make(path: str, device: str) -> None:
     gen = torch.Generator().manual_seed(SEED)
-    step_blocks = NUM_BRANCHES * (blocks_for(ROOT_TOKENS + LEAF_TOKENS + 1) - blocks_for(ROOT_TOKENS + LEAF_TOKENS))
-    num_blocks = FIRST_BLOCK + ROOT_TOKENS // BLOCK_SIZE + NUM_BRANCHES * blocks_for(LEAF_TOKENS) + step_blocks
-    allocator = PhysicalKVAllocator(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    path_tokens = ROOT_TOKENS + LEAF_TOKENS
+    step_blocks = NUM_BRANCHES * (blocks_for(path_tokens + 1) - blocks_for(path_tokens))
+    num_blocks = (FIRST_BLOCK + ROOT_TOKENS // BLOCK_SIZE + NUM_BRANCHES * blocks_for(LEAF_TOKENS)
+                  + step_blocks)
+    allocator = PhysicalKVAllocator(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE,
+                                    device=device)
     ids = build_tree(allocator, gen)
     check_layout(allocator, ids)
     pools = [raw(allocator.k_pools[0]), raw(allocator.v_pools[0])]  # before the step appends
@@ -114,21 +119,23 @@ def make(path: str, device: str) -> None:
     q_next = random_q(gen, device)
     after = expected(q_next, allocator, ids)
 
-    header = HEADER.pack(MAGIC, VERSION, FR_FLOAT16, NUM_BRANCHES, ROOT_TOKENS, LEAF_TOKENS, BLOCK_SIZE,
-                         NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, num_blocks, FIRST_BLOCK, reference.TOLERANCE[DTYPE])
+    header = HEADER.pack(MAGIC, VERSION, FR_FLOAT16, NUM_BRANCHES, ROOT_TOKENS, LEAF_TOKENS,
+                         BLOCK_SIZE, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, num_blocks, FIRST_BLOCK,
+                         reference.TOLERANCE[DTYPE])
     arrays = [*pools, raw(q), raw(before), raw(k_new), raw(v_new), raw(q_next), raw(after)]
     with open(path, "wb") as f:
         f.write(header)
         for a in arrays:
             f.write(a)
-    print(f"wrote {path}: {NUM_BRANCHES} branches of {ROOT_TOKENS} + {LEAF_TOKENS} tokens, {num_blocks} blocks, "
-          f"{HEADER.size + sum(map(len, arrays))} bytes")
+    print(f"wrote {path}: {NUM_BRANCHES} branches of {ROOT_TOKENS} + {LEAF_TOKENS} tokens, "
+          f"{num_blocks} blocks, {HEADER.size + sum(map(len, arrays))} bytes")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", help="the file to write, e.g. reference.bin")
-    parser.add_argument("--device", default="cpu", help="where the allocator lives (cpu or cuda); same bytes")
+    parser.add_argument("--device", default="cpu",
+                        help="where the allocator lives (cpu or cuda); same bytes")
     args = parser.parse_args()
     make(args.output, args.device)
 

@@ -226,11 +226,11 @@ bool report(const char* what, double error, float tolerance) {
 void print_plan(const Plan& plan) {
   frPlanInfo info;
   check(frPlanGetInfo(plan.handle, &info), "frPlanGetInfo");
-  std::printf("plan: %d branches, %d nodes (%d computed once), %d launches, %lld unique / %lld logical tokens, "
-              "%zu workspace bytes\n",
-              info.num_branches, info.num_nodes, info.computed_nodes, info.num_launches,
-              static_cast<long long>(info.unique_tokens), static_cast<long long>(info.logical_tokens),
-              info.workspace_bytes);
+  std::printf(
+      "plan: %d branches, %d nodes (%d computed once), %d launches, %lld unique / %lld logical tokens, "
+      "%zu workspace bytes\n",
+      info.num_branches, info.num_nodes, info.computed_nodes, info.num_launches,
+      static_cast<long long>(info.unique_tokens), static_cast<long long>(info.logical_tokens), info.workspace_bytes);
 }
 
 // One decode step: each branch's new token written where the layout puts it, the plan moved
@@ -252,11 +252,11 @@ bool run_example(const char* artifact_root, const char* reference_path) {
   const char* arch = nullptr;
   check(frContextArch(ctx.handle, &arch), "frContextArch");
   std::printf("flash-reasoning %s, arch %s; %d branches of %d + %d tokens, block_size %d, %d/%d heads, head_dim %d\n",
-              frVersion(), arch, r.h.num_branches, r.h.root_tokens, r.h.leaf_tokens, r.h.block_size,
-              r.h.num_qo_heads, r.h.num_kv_heads, r.h.head_dim);
+              frVersion(), arch, r.h.num_branches, r.h.root_tokens, r.h.leaf_tokens, r.h.block_size, r.h.num_qo_heads,
+              r.h.num_kv_heads, r.h.head_dim);
   Buffers d{{ctx.handle, r.k_pool}, {ctx.handle, r.v_pool}, {ctx.handle, r.q}, {ctx.handle, r.q.size() * sizeof(Half)}};
-  frAttentionShape shape = {r.h.num_qo_heads, r.h.num_kv_heads, r.h.head_dim, FR_FLOAT16, r.h.block_size,
-                            r.h.num_blocks, 0.f};
+  frAttentionShape shape = {r.h.num_qo_heads, r.h.num_kv_heads, r.h.head_dim, FR_FLOAT16,
+                            r.h.block_size,   r.h.num_blocks,   0.f};
   TreeTables initial = layout_tables(r.h, 0);
   Plan plan(ctx.handle, shape, initial.tree());
   print_plan(plan);

@@ -7,11 +7,14 @@ links :func:`library_path` and passes :func:`artifact_root` to ``frContextCreate
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from . import runtime
 
 _PACKAGE = Path(__file__).resolve().parent
+#: The lines that open and close the header's ``extern "C"`` block, however they are spaced.
+_EXTERN_C_BRACE = re.compile(r'extern\s+"C"\s*\{|\}\s*/\*\s*extern\s+"C"\s*\*/')
 
 
 def library_path() -> Path:
@@ -37,8 +40,9 @@ def cdef_text() -> str:
     the ``extern "C"`` braces dropped (the header keeps its declarations free of macros)."""
     lines = header_path().read_text().splitlines()
     kept = [ln for ln in lines if not ln.lstrip().startswith("#")
-            and ln.strip() not in ('extern "C" {', '}  /* extern "C" */')]
+            and not _EXTERN_C_BRACE.fullmatch(ln.strip())]
     return "\n".join(kept)
+
 
 
 def _require(path: Path) -> Path:

@@ -12,14 +12,23 @@ import functools
 import math
 
 from . import tuning_table
+from .specializations import (
+    APPEND_KV,
+    DTYPES,
+    MERGE_SPLITS,
+    PAGED_DECODE,
+    TREE_FINAL,
+    TREE_MERGE,
+    TREE_PARTIAL,
+    Spec,
+    make_spec,
+)
 from .tuning_table import Config, Rule, Rules
-from .specializations import (APPEND_KV, DTYPES, MERGE_SPLITS, PAGED_DECODE, TREE_FINAL,
-                              TREE_MERGE, TREE_PARTIAL, Spec, make_spec)
 
 HEAD_DIMS = (64, 128, 256)
 #: Page sizes (KV block sizes) the attention kernels are also compiled for, as a constant
 #: (``PAGE``): per-token page arithmetic becomes shifts (H100: shared roots' compute-bound
-#: tiles 12-14% faster, docs/perf.md session 14). Any other size runs the ``PAGE`` 0 kernels,
+#: tiles 12-14% faster). Any other size runs the ``PAGE`` 0 kernels,
 #: which take it at run time.
 COMPILED_PAGE_SIZES = (16,)
 #: The ``PAGE`` values each attention specialization is compiled with: 0 (any page size), then
@@ -27,8 +36,8 @@ COMPILED_PAGE_SIZES = (16,)
 PAGE_KERNELS = (0, *COMPILED_PAGE_SIZES)
 #: Rule lists whose kernel is also compiled to read each range as runs of consecutive slots
 #: (``SLOT_RUNS``: the most runs an item's range lies in, ``planner.item_runs``; one run: H100,
-#: seed_b256/q32kv8 64.6 -> 61.7 us, ft_1,1024/q32kv8 173.1 -> 165.3, docs/perf.md session 19;
-#: two, a root folded into its children's items: session 27), for any page size. Each run count
+#: seed_b256/q32kv8 64.6 -> 61.7 us, ft_1,1024/q32kv8 173.1 -> 165.3; two, a root folded into
+#: its children's items: ft_1,4,16,512/q32kv8 102.3 -> 89.1), for any page size. Each run count
 #: has its own rule lists (``.../one_run``, ``.../two_runs``: :data:`SLOT_RUN_RULE_SUFFIXES`,
 #: which the C ABI names alike), from the tuning table where it has them, else those of the
 #: kernels that take the page size at run time.
@@ -81,7 +90,7 @@ RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
 #: this many tokens: a short range is mostly fixed cost, so small tiles that let many programs
 #: share an SM win (H100: 2048 ranges of 8 tokens 100 us at 16/2/1, 243 us at 64/4/3; H200: 64
-#: leaves of 64 tokens 35.8 us at 32/4/2, 42.3 at 64/4/2; docs/perf.md).
+#: leaves of 64 tokens 35.8 us at 32/4/2, 42.3 at 64/4/2).
 SHORT_RANGE_CONFIGS = ((None, 16, (16, 2, 1)), (None, 32, (32, 2, 2)), (None, 64, (32, 4, 2)))
 #: Many programs over longer ranges: two stages (more programs per SM) beat three.
 LONG_RANGE_CONFIG = (64, 4, 2)
@@ -93,18 +102,18 @@ HEAD_DIM_256_CONFIG = (64, 8, 2)
 #: Packed final programs walk several short ranges side by side: a 64-token tile shared by the
 #: lanes, two warps; head_dim 256 a 32-token tile, four warps (H100, 256 leaves of 64 tokens x
 #: 8 KV heads at 4 lanes: 33.9 us at 64/2/2, 37.1 at 32/2/2, 38.9 at 128/4/2; head_dim 256
-#: 69.8 at 32/4/2, 87.6 at 64/8/2; docs/perf.md session 11).
+#: 69.8 at 32/4/2, 87.6 at 64/8/2).
 PACKED_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
 #: The wide packed tile: a 32-token KV tile (a token per lane at least: BLOCK_N >= its rows),
 #: three stages, two warps (H100, 256 leaves of 64 tokens x 8 KV heads beside a 2048-token
 #: root at 8 lanes: 50.4 us at 32/2/3, 56.1 at 64/2/2, 62.6 at 32/4/3, 71.2 at 32/4/2; its 255
-#: registers spill 12 at 2 warps, none at 4; docs/perf.md session 23). head_dim 64 takes the
+#: registers spill 12 at 2 warps, none at 4). head_dim 64 takes the
 #: same, 256 the narrow tile's config (neither measured).
 PACKED_WIDE_FINAL_CONFIGS = {64: (32, 2, 3), 128: (32, 2, 3), 256: (32, 4, 2)}
 #: Packed programs with a shared range walk it at the lanes' tile: in the narrow final tile a
 #: 64-token tile and two warps, in the wide one a 128-token tile and four (H100, ft_deep16/q32kv8
 #: flat: 4 lanes 64.6 us at 64/2/2, 76.7 at 32/2/2, 98.4 at 64/4/2, 84.1 at 128/4/2; 8 lanes
-#: 62.0 at 128/4/2, 66.6 at 32/2/2, 67.4 at 64/2/2, 76.7 at 64/4/2; docs/perf.md session 25).
+#: 62.0 at 128/4/2, 66.6 at 32/2/2, 67.4 at 64/2/2, 76.7 at 64/4/2).
 #: head_dim 256 the packed kernels' config (not measured).
 COMMON_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
 COMMON_WIDE_FINAL_CONFIGS = {64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 4, 2)}
@@ -112,7 +121,7 @@ COMMON_WIDE_FINAL_CONFIGS = {64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 4, 2)}
 
 def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
     """The documented rules of an arch without a tuning table (sm80 and sm89 here, and any key
-    a table lacks), from the H100 sweeps of ``ci/explore_attend.py`` (docs/perf.md).
+    a table lacks), from H100 sweeps of the attention loop over ranges of 8-2048 tokens.
 
     The wide ``tree_partial`` tile walks long shared ranges with three stages (H100: 16 tiles
     x 2048 tokens 49.0 us, 57.6 at two); sm89 has 99 KB of shared memory per block: one stage
@@ -305,8 +314,7 @@ def merge_spec(dtype: str, head_dim: int) -> Spec:
 #: head_dims whose wide slot-run walk reads K/V through TMA descriptors on sm90
 #: (:func:`reads_through_tensor_maps`). Not 64: there its plans read the same or slower through
 #: them (H100, ft_1,1024/q32kv8 at head_dim 64 83.7 -> 91.9 us, seed_b256/q32kv8 34.3 -> 34.5);
-#: at 256 faster (seed_b256/q32kv8 156.7 -> 146.3, ft_1,1024/q32kv8 459.9 -> 429.5; docs/perf.md
-#: session 34).
+#: at 256 faster (seed_b256/q32kv8 156.7 -> 146.3, ft_1,1024/q32kv8 459.9 -> 429.5).
 TENSOR_MAP_HEAD_DIMS = (128, 256)
 
 
@@ -314,8 +322,8 @@ def reads_through_tensor_maps(arch: str, head_dim: int, block_m: int, slot_runs:
     """``tree_partial``'s ``TMA`` constexpr: 1 where the wide tile's slot-run walk loads its K/V
     tiles through TMA descriptors the launcher encodes on the host (sm90, head_dim
     :data:`TENSOR_MAP_HEAD_DIMS`): H100, ft_1,1024/q32kv8's root launch 90.4 -> 81.0 us, the
-    whole step 159 -> 148 (docs/perf.md session 31). Descriptors built by each program instead
-    cost short programs more than they save (session 30)."""
+    whole step 159 -> 148. Descriptors built by each program instead cost short programs more
+    than they save (ft_1,256/q32kv8's root launch 12.4 -> 14.3 us)."""
     return int(arch == "sm90" and slot_runs > 0 and block_m == TREE_BLOCK_MS[1]
                and head_dim in TENSOR_MAP_HEAD_DIMS)
 
@@ -324,9 +332,9 @@ def grid_dependency(arch: str) -> int:
     """The tree kernels' ``PDL`` constexpr on ``arch``: 1 where the GPU has programmatic
     dependent launch (sm90). The final (or merge) launch then starts while the partial launch
     ends: its programs load their queries and walk their own ranges, and wait for the partial
-    launch only before merging its partials (H100: 1-13% off most two-launch plans, docs/perf.md
-    session 12); a two-tile plan's second partial launch starts beside the first and waits for
-    it at its end (ft_1,16,64/q32kv8 35.0 -> 28.4 us, session 18)."""
+    launch only before merging its partials (H100: 1-13% off most two-launch plans); a
+    two-tile plan's second partial launch starts beside the first and waits for it at its end
+    (ft_1,16,64/q32kv8 35.0 -> 28.4 us)."""
     return int(arch == "sm90")
 
 

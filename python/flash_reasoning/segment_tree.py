@@ -71,7 +71,7 @@ class SegmentTree:
 
         ``breaks`` must hold 0 and every row length, so that two rows share exactly the tokens
         before the first breakpoint where their keys differ (a trie over the rows, built by
-        the C++ core that the C ABI also uses: ``csrc/core/segment_tree.cc``).
+        the C++ core that the C ABI also uses: ``csrc/planner/segment_tree.cc``).
         """
         arrays = _core.segment_tree(lengths, breaks, keys)
         return cls(branch_ids=_own_ids(branch_ids), **arrays)

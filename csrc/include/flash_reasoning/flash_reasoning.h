@@ -51,23 +51,20 @@ extern "C" {
 
 typedef enum frStatus {
   FR_OK = 0,
-  FR_INVALID_ARGUMENT = 1,    /* bad caller input: null pointer, size, dtype, shape */
-  FR_NOT_FOUND = 2,           /* artifact folder, manifest or kernel missing */
-  FR_INVALID_MANIFEST = 3,    /* manifest.json unreadable or from another package version */
-  FR_CORRUPTED_ARTIFACT = 4,  /* a cubin's sha256 differs from the manifest's */
-  FR_DRIVER_UNAVAILABLE = 5,  /* libcuda cannot be loaded (no NVIDIA driver) or lacks a needed entry */
-  FR_CUDA_ERROR = 6,          /* a driver call failed (the message names it) */
-  FR_UNSUPPORTED_ARCH = 7,    /* no compiled arch serves this device */
-  FR_IO_ERROR = 8,            /* a file exists but cannot be read */
-  FR_OUT_OF_MEMORY = 9,       /* host or device memory exhausted */
-  FR_PLAN_MISMATCH = 10,      /* frPlanUpdate: the tree changed beyond leaf growth; re-plan */
-  FR_UNSUPPORTED = 11         /* head_dim or dtype not compiled for this arch */
+  FR_INVALID_ARGUMENT = 1,   /* bad caller input: null pointer, size, dtype, shape */
+  FR_NOT_FOUND = 2,          /* artifact folder, manifest or kernel missing */
+  FR_INVALID_MANIFEST = 3,   /* manifest.json unreadable or from another package version */
+  FR_CORRUPTED_ARTIFACT = 4, /* a cubin's sha256 differs from the manifest's */
+  FR_DRIVER_UNAVAILABLE = 5, /* libcuda cannot be loaded (no NVIDIA driver) or lacks a needed entry */
+  FR_CUDA_ERROR = 6,         /* a driver call failed (the message names it) */
+  FR_UNSUPPORTED_ARCH = 7,   /* no compiled arch serves this device */
+  FR_IO_ERROR = 8,           /* a file exists but cannot be read */
+  FR_OUT_OF_MEMORY = 9,      /* host or device memory exhausted */
+  FR_PLAN_MISMATCH = 10,     /* frPlanUpdate: the tree changed beyond leaf growth; re-plan */
+  FR_UNSUPPORTED = 11        /* head_dim or dtype not compiled for this arch */
 } frStatus;
 
-typedef enum frDtype {
-  FR_FLOAT16 = 1,
-  FR_BFLOAT16 = 2
-} frDtype;
+typedef enum frDtype { FR_FLOAT16 = 1, FR_BFLOAT16 = 2 } frDtype;
 
 typedef struct frContext_t* frContext;
 typedef struct frPlan_t* frPlan;
@@ -75,11 +72,11 @@ typedef struct frPlan_t* frPlan;
 /* The attention call a plan or decode serves. sm_scale 0 means 1/sqrt(head_dim). */
 typedef struct frAttentionShape {
   int32_t num_qo_heads;
-  int32_t num_kv_heads;   /* divides num_qo_heads */
-  int32_t head_dim;       /* 64, 128 or 256 */
+  int32_t num_kv_heads; /* divides num_qo_heads */
+  int32_t head_dim;     /* 64, 128 or 256 */
   frDtype dtype;
-  int32_t block_size;     /* tokens per KV block */
-  int32_t num_blocks;     /* blocks in each pool: every table entry a plan reads is below it */
+  int32_t block_size; /* tokens per KV block */
+  int32_t num_blocks; /* blocks in each pool: every table entry a plan reads is below it */
   float sm_scale;
 } frAttentionShape;
 
@@ -90,8 +87,8 @@ typedef struct frAttentionShape {
  * keeps this true; a block is never written while two branches list it). */
 typedef struct frTree {
   int32_t num_branches;
-  const int32_t* lengths;       /* [num_branches], each >= 0 */
-  const int32_t* block_tables;  /* [num_branches, table_stride] */
+  const int32_t* lengths;      /* [num_branches], each >= 0 */
+  const int32_t* block_tables; /* [num_branches, table_stride] */
   int32_t table_stride;
 } frTree;
 
@@ -99,13 +96,13 @@ typedef struct frTree {
  * tokens) describe it at creation; logical_tokens follows frPlanUpdate's lengths. */
 typedef struct frPlanInfo {
   int32_t num_branches;
-  int32_t num_nodes;           /* segments of the shared-prefix tree */
-  int32_t computed_nodes;      /* segments read once for all the branches below them */
-  int32_t num_launches;        /* kernels per frPlanRun */
-  int32_t max_blocks;          /* table columns the plan holds (growth room included) */
-  int64_t unique_tokens;       /* distinct KV tokens of the tree at creation */
-  int64_t logical_tokens;      /* sum of the branch lengths */
-  size_t workspace_bytes;      /* device memory the plan owns */
+  int32_t num_nodes;      /* segments of the shared-prefix tree */
+  int32_t computed_nodes; /* segments read once for all the branches below them */
+  int32_t num_launches;   /* kernels per frPlanRun */
+  int32_t max_blocks;     /* table columns the plan holds (growth room included) */
+  int64_t unique_tokens;  /* distinct KV tokens of the tree at creation */
+  int64_t logical_tokens; /* sum of the branch lengths */
+  size_t workspace_bytes; /* device memory the plan owns */
 } frPlanInfo;
 
 /* ---- errors and version ------------------------------------------------------------- */
@@ -137,8 +134,8 @@ frStatus frContextArch(frContext context, const char** arch);
 /* Plans attention of one query per branch over its whole path, reading each shared token
  * once per run. extra_blocks: table columns kept beyond the longest branch, so branches can
  * grow by that many blocks through frPlanUpdate. Copies the tables to the device (synchronous). */
-frStatus frPlanCreate(frContext context, const frAttentionShape* shape, const frTree* tree,
-                      int32_t extra_blocks, frPlan* out);
+frStatus frPlanCreate(frContext context, const frAttentionShape* shape, const frTree* tree, int32_t extra_blocks,
+                      frPlan* out);
 frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info);
 /* The manifest name of the kernel that launch `launch` (0 <= launch < num_launches) of
  * frPlanRun runs: the partial launches, then the final or merge kernel (for logs and tests:
@@ -147,8 +144,7 @@ frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info);
  * from frPlanRun stays valid. Valid while the plan lives. */
 frStatus frPlanKernelName(frPlan plan, int32_t launch, const char** name);
 /* out[i] = softmax(q[i] K_i^T * sm_scale) V_i over branch i's tokens, in one layer's pools. */
-frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v_pool, void* out,
-                   void* stream);
+frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v_pool, void* out, void* stream);
 /* The next decode step without re-planning: same branches, each at least as long as before
  * and holding the same blocks over the ranges the plan reads once for several branches.
  * Otherwise FR_PLAN_MISMATCH (the plan is unchanged: create a new one). A tree invalid in
@@ -163,20 +159,18 @@ frStatus frPlanDestroy(frPlan plan);
 /* ---- KV cache writes and paged decode ----------------------------------------------- */
 /* Writes one token's K and V (num_tokens rows of [num_kv_heads, head_dim], contiguous, the
  * pools' 16-bit dtype) into flat slots (int64 on the device: block * block_size + offset). */
-frStatus frAppendKV(frContext context, void* k_pool, void* v_pool, const void* slots,
-                    const void* k_new, const void* v_new, int64_t num_tokens,
-                    int32_t num_kv_heads, int32_t head_dim, void* stream);
+frStatus frAppendKV(frContext context, void* k_pool, void* v_pool, const void* slots, const void* k_new,
+                    const void* v_new, int64_t num_tokens, int32_t num_kv_heads, int32_t head_dim, void* stream);
 
 /* Decode over separate block tables (no sharing): block_tables int32 [num_seqs, max_blocks]
  * and seq_lens int32 [num_seqs] on the device, each length <= max_blocks * block_size.
  * Long sequences are split along their length when few sequences cannot fill the GPU; the
  * split needs `workspace` of frPagedDecodeWorkspaceSize bytes (NULL with size 0 disables it). */
-frStatus frPagedDecodeWorkspaceSize(frContext context, const frAttentionShape* shape,
-                                    int32_t num_seqs, int32_t max_blocks, size_t* bytes);
-frStatus frPagedDecode(frContext context, const frAttentionShape* shape, const void* q,
-                       const void* k_pool, const void* v_pool, const void* block_tables,
-                       const void* seq_lens, int32_t num_seqs, int32_t max_blocks, void* out,
-                       void* workspace, size_t workspace_bytes, void* stream);
+frStatus frPagedDecodeWorkspaceSize(frContext context, const frAttentionShape* shape, int32_t num_seqs,
+                                    int32_t max_blocks, size_t* bytes);
+frStatus frPagedDecode(frContext context, const frAttentionShape* shape, const void* q, const void* k_pool,
+                       const void* v_pool, const void* block_tables, const void* seq_lens, int32_t num_seqs,
+                       int32_t max_blocks, void* out, void* workspace, size_t workspace_bytes, void* stream);
 
 /* ---- device memory (for runtimes without the CUDA runtime, and the example) -------- */
 frStatus frDeviceAlloc(frContext context, size_t bytes, void** ptr);
@@ -187,7 +181,7 @@ frStatus frCopyToHost(frContext context, void* dst, const void* src, size_t byte
 frStatus frStreamSynchronize(frContext context, void* stream);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* FLASH_REASONING_H_ */
+#endif /* FLASH_REASONING_H_ */

@@ -17,15 +17,15 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from .. import reference
-from . import timing
 from ..allocator import PhysicalKVAllocator
 from ..ops.paged_decode import paged_decode
 from ..ops.tree_attention import TreeAttentionPlan
+from . import timing
 from .synthetic import random_kv
 from .trees import build_branches, from_levels
 
@@ -79,27 +79,6 @@ def table_cases(cases_file: dict | None, cpu: bool) -> list[dict]:
     seeds = [{**seed_case(b), **by_name.get(seed_case(b)["name"], {})} for b in SEED_BATCHES]
     names = {c["name"] for c in seeds}
     return seeds + [c for c in by_name.values() if c["name"] not in names]
-
-
-def explore_cases(explore: Callable[[str, dict], None], names: Sequence[str]) -> None:
-    """``explore(name, case)`` for each named GPU case of the benchmark (every one when none
-    is named), after the GPU's name: the loop of the ``ci/explore_*.py`` sweeps."""
-    print(torch.cuda.get_device_name(), "(us)", flush=True)
-    cases = {c["name"]: c for c in table_cases(load_cases(), cpu=False)}
-    for name in names or cases:
-        explore(name, cases[name])
-
-
-def check_and_time(name: str, fns: dict, poisoned_run: Callable, runs: int) -> dict:
-    """The ``ci/explore_*.py`` sweeps' variants of one case: each of ``fns`` checked against
-    the first (``poisoned_run(fn)``: its output, what it writes poisoned first; any that
-    differs is printed WRONG), then timed interleaved (:func:`timing.median_us_each`)."""
-    expected = poisoned_run(next(iter(fns.values())))
-    for key, fn in fns.items():
-        err = (poisoned_run(fn).float() - expected.float()).abs().max().item()
-        if not err < 1e-2:
-            print(f"{name} {key}: WRONG, max error {err}", flush=True)
-    return timing.median_us_each(fns, runs)
 
 
 @dataclass
@@ -310,14 +289,14 @@ def format_row(row: Row) -> str:
                     for i, (_, width, value) in enumerate(COLUMNS))
 
 
-#: The tree-attention issue's targets: a geometric mean of time/floor over the cases of these
-#: head layouts whose floor is at least SMALL_FLOOR_US; every case below it, a time limit.
+#: The performance targets (docs/performance.md): a geometric mean of time/floor over the cases
+#: of these head layouts whose floor is at least SMALL_FLOOR_US; every case below it, a time limit.
 TARGET_LAYOUTS = ("q32kv8", "q32kv32")
 SMALL_FLOOR_US = 10.0
 
 
 def summary(rows: list[Row]) -> str:
-    """The tree-attention issue's targets: geometric means of time/floor per head layout (and
+    """The performance targets: geometric means of time/floor per head layout (and
     q16kv1's over all its cases), the worst case, the slowest small case."""
     lines = []
     timed = [r for r in rows if r.op == "tree_attention" and r.over_floor is not None]
@@ -332,8 +311,8 @@ def summary(rows: list[Row]) -> str:
     small = [r for r in timed if r.floor_us < SMALL_FLOOR_US]
     if small:
         worst = max(small, key=lambda r: r.us)
-        lines.append(f"tree_attention small cases (floor < {SMALL_FLOOR_US:g} us): slowest {worst.case} "
-                     f"{worst.us:.1f} us")
+        lines.append(f"tree_attention small cases (floor < {SMALL_FLOOR_US:g} us): slowest "
+                     f"{worst.case} {worst.us:.1f} us")
     slower = [r.case for r in rows if r.op == "tree_attention" and r.speedup is not None
               and r.speedup < 1]
     lines.append(f"tree_attention slower than paged_decode (no sharing) on {len(slower)} "

@@ -232,6 +232,7 @@ def simulate(args, device: torch.device, dtype: torch.dtype, num_blocks: int) ->
     first = model.embed[torch.randint(VOCAB, (1,), generator=gen).to(device)]
     beam = Beam([write_prompt(args, alloc, gen)], first, torch.zeros(1, dtype=torch.float64))
     timer, plan, plans, history = AttentionTimer(device), None, 0, []
+    decode_step = None  # step 0 expands, so it reserves by ids
     _header(args, device, dtype, num_blocks)
     for step in range(args.steps):
         new = pruned = 0

@@ -9,9 +9,9 @@ is compiled for its rule list (``dispatch.RULE_LISTS``). A launch's *band* is th
 ``--bands`` (programs per SM) its program count fits under, or the last, open band; its
 *bucket* is the power of two nearest (in log scale) to the most tokens one of its programs
 walks. In each band and bucket the config with the lowest geometric mean of time over each
-workload's fastest wins (the least total time instead measured 0.5% slower on the benchmark,
-docs/perf.md), and each winner serves the lengths of its band nearer to its bucket than to
-the next one. Rule lists with one compiled candidate keep their rules untimed.
+workload's fastest wins (the least total time instead measured 0.5% slower on the benchmark),
+and each winner serves the lengths of its band nearer to its bucket than to the next one. Rule
+lists with one compiled candidate keep their rules untimed.
 
 Candidates are what the artifacts hold: build with ``FLASH_REASONING_AOT_GRID=wide`` to measure
 the full candidate grid (``aot/grid.py``). ``--fixed N/W/S`` writes a table that pins one
@@ -33,13 +33,13 @@ from pathlib import Path
 import torch
 
 from .. import __version__, dispatch, runtime, tuning_table
-from . import timing
-from .bench import case_allocator
 from ..ops.paged_decode import decode_launches
 from ..ops.tree_attention import TreeAttentionPlan
 from ..specializations import DTYPES
-from .synthetic import paged_problem
 from ..tuning_table import Config, Rules
+from . import timing
+from .bench import case_allocator
+from .synthetic import paged_problem
 
 NUM_QO_HEADS = 32
 GROUPS = (1, 4, 8)
@@ -251,8 +251,8 @@ def fixed_rules(arch: str, config: Config, manifest: dict) -> dict[str, Rules]:
 
 
 def rechoose(raw: Path, out: Path | None, bands: tuple[float, ...]) -> int:
-    """Write the table that :func:`choose` makes from a ``--raw`` file's timings (gzipped
-    when its name ends in .gz, as the shipped ones in docs/results)."""
+    """Write the table that :func:`choose` makes from a ``--raw`` file's timings (read as gzip
+    when its name ends in .gz)."""
     opener = gzip.open if str(raw).endswith(".gz") else open
     with opener(raw, "rt") as f:
         data = json.load(f)
@@ -291,7 +291,8 @@ def parse_bands(text: str) -> tuple[float, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flash_reasoning.tools.tune", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m flash_reasoning.tools.tune",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="table to write (default tuning-<arch>.json)")
     parser.add_argument("--raw", type=Path, help="also write every timing as JSON")

@@ -6,7 +6,7 @@ it holds the one launch's fixed cost and the bandwidth a read of that size reach
 per case, the floor, the bar, the bar over the floor and (with ``--bench``) this package's time
 from a bench JSON; then the geometric mean of bar / floor over each target's cases, the least
 a plan could score. Run on a GPU:
-PYTHONPATH=.:python python3 ci/explore_read_bar.py [--bench docs/results/bench_h100_s34.json]"""
+python benchmarks/read_bar.py [--bench benchmarks/results/bench_h100.json]"""
 import argparse
 import json
 import os
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flash_reasoning import bench, timing
+from flash_reasoning.tools import bench, timing
 
 RUNS = 60
 #: (programs per SM, elements per load, warps): the read kernels tried on each case.
