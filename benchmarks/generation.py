@@ -37,6 +37,7 @@ import time
 from datetime import datetime, timezone
 
 import torch
+
 from flash_reasoning.hf import TreeCache, TreeDecoder
 from flash_reasoning.hf.generate import BLOCK_SIZE, blocks_for
 from flash_reasoning.hf.models import random_model

@@ -27,8 +27,8 @@ import torch
 
 from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, reference, runtime
 from flash_reasoning.ops.paged_decode import decode_launches
-from flash_reasoning.tools.synthetic import random_kv
 from flash_reasoning.planner import PlanOptions
+from flash_reasoning.tools.synthetic import random_kv
 
 BLOCK = 16
 DEVICE = "cuda"

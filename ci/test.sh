@@ -24,7 +24,6 @@ dev="$work/dev/bin/python"
 "$dev" -m pip install -q setuptools wheel "pybind11>=2.12" triton==3.6.0
 "$dev" -m pip install -q --no-build-isolation -e ".[test,lint]"
 "$dev" -m ruff check python tests benchmarks aot ci examples
-# clang-format skips the files .clang-format-ignore lists.
 find csrc examples/cpp \( -name '*.cc' -o -name '*.h' \) -print0 | sort -z |
   xargs -0 "$work/dev/bin/clang-format" --dry-run -Werror
 echo "ci: lint ok (ruff, clang-format)"

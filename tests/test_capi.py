@@ -22,8 +22,8 @@ import torch
 
 from conftest import gpu, poisoned_like
 from flash_reasoning import capi, reference, runtime
-from test_launcher import fake_libcuda, isolated  # noqa: F401 (fake_libcuda is a fixture)
 from flash_reasoning.planner import PlanOptions
+from test_launcher import fake_libcuda, isolated  # noqa: F401 (fake_libcuda is a fixture)
 
 cffi = pytest.importorskip("cffi")
 

@@ -15,10 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, interpreter, \
-    poisoned_like
-from flash_reasoning import (PhysicalKVAllocator, PoolExhausted, StalePlan, TreeAttentionPlan,
-                             reference)
+from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, interpreter, poisoned_like
+from flash_reasoning import (
+    PhysicalKVAllocator,
+    PoolExhausted,
+    StalePlan,
+    TreeAttentionPlan,
+    reference,
+)
 from flash_reasoning.planner import PlanOptions
 
 

@@ -6,10 +6,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformers import AttentionInterface
+
 from conftest import gpu
 from flash_reasoning.hf import ATTN_IMPLEMENTATION, TreeCache, tree_attention_forward
 from flash_reasoning.hf.models import random_model, twin
-from transformers import AttentionInterface
 
 FP32 = {"rtol": 1e-4, "atol": 1e-4}
 

@@ -6,9 +6,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from transformers import DynamicCache
+
 from flash_reasoning.hf import TreeCache
 from flash_reasoning.hf.models import random_model, twin
-from transformers import DynamicCache
 
 VOCAB = 128
 #: float32 logits of these models are O(10): a few ulps of error each.

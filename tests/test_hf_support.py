@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from flash_reasoning.hf import (
+from flash_reasoning.hf import (  # noqa: E402 (after the importorskip)
     ATTN_IMPLEMENTATION,
     TreeCache,
     UnsupportedModelFeature,
@@ -13,8 +13,8 @@ from flash_reasoning.hf import (
     enable,
     unsupported_features,
 )
-from flash_reasoning.hf.models import random_model
-from flash_reasoning.hf.support import check_enabled
+from flash_reasoning.hf.models import random_model  # noqa: E402
+from flash_reasoning.hf.support import check_enabled  # noqa: E402
 
 SMALL = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
          "intermediate_size": 32, "vocab_size": 32}

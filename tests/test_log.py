@@ -7,12 +7,11 @@ import textwrap
 
 import pytest
 
-from flash_reasoning import TreeAttentionPlan, dispatch, log, tuning_table
+from flash_reasoning import TreeAttentionPlan, dispatch, log, runtime, tuning_table
 from flash_reasoning.ops.paged_decode import decode_launches
+from flash_reasoning.planner import PlanOptions
 from flash_reasoning.tools.bench import case_allocator, seed_case
 from flash_reasoning.tools.synthetic import paged_problem
-from flash_reasoning import runtime
-from flash_reasoning.planner import PlanOptions
 
 
 def seed_plan(batch=16, prefix=256, leaf=64):

@@ -17,9 +17,9 @@ from flash_reasoning import (
     tree_attention,
 )
 from flash_reasoning.ops.paged_decode import decode_launches
+from flash_reasoning.planner import PlanOptions
 from flash_reasoning.tools.synthetic import paged_problem, random_kv
 from flash_reasoning.tools.trees import build_branches, from_levels
-from flash_reasoning.planner import PlanOptions
 
 DTYPES = [torch.float16, torch.bfloat16]
 #: (center, spread) of the logits: every key's logit is center + spread * N(0, 1) (+ N(0, 1)).

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import gpu
 from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan
 from flash_reasoning.ops import library

@@ -6,7 +6,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, _core, dispatch, planner
-from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.tools.synthetic import random_branches

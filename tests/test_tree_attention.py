@@ -11,14 +11,12 @@ from flash_reasoning import (
     StalePlan,
     TreeAttentionPlan,
     UnknownBranch,
-    _core,
     reference,
     runtime,
     tree_attention,
 )
 from flash_reasoning._core import CoreError
-from flash_reasoning.tools.bench import case_allocator, load_cases
-
+from flash_reasoning.planner import PlanOptions
 from flash_reasoning.runtime import TensorMap
 from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
 from flash_reasoning.tools.bench import case_allocator, load_cases
@@ -29,7 +27,6 @@ from flash_reasoning.tools.synthetic import (
     random_kv,
 )
 from flash_reasoning.tools.trees import build_branches, from_levels
-from flash_reasoning.planner import PlanOptions
 
 DTYPES = [torch.float16, torch.bfloat16]
 

@@ -20,8 +20,8 @@ from flash_reasoning import (
     tree_attention,
 )
 from flash_reasoning.allocator import MAX_TOKENS, DecodeStep
-from flash_reasoning.tools.synthetic import PagedProblem, paged_problem, random_branches, random_kv
 from flash_reasoning.planner import PlanOptions
+from flash_reasoning.tools.synthetic import PagedProblem, paged_problem, random_branches, random_kv
 
 KV_HEADS, QO_HEADS, HEAD_DIM, LAYERS = 2, 4, 64, 2
 

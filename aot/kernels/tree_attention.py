@@ -45,11 +45,21 @@ length), and ``tree_merge`` folds each (branch, head) row's slots, ``BLOCK_S`` a
 import triton
 import triton.language as tl
 
-from flash_reasoning.specializations import COMMON_FIELDS as _COMMON_FIELDS, TREE_ITEM_FIELDS
+from flash_reasoning.specializations import COMMON_FIELDS as _COMMON_FIELDS
+from flash_reasoning.specializations import TREE_ITEM_FIELDS
 
-from .attention_core import (attend, attend_lanes, attend_runs, fold_partials, group_rows,
-                             let_next_launch_start, merge_partial, no_keys, normalise,
-                             wait_for_previous_launch)
+from .attention_core import (
+    attend,
+    attend_lanes,
+    attend_runs,
+    fold_partials,
+    group_rows,
+    let_next_launch_start,
+    merge_partial,
+    no_keys,
+    normalise,
+    wait_for_previous_launch,
+)
 
 ITEM_STRIDE = tl.constexpr(len(TREE_ITEM_FIELDS))
 TABLE_ROW = tl.constexpr(TREE_ITEM_FIELDS.index("table_row"))

@@ -78,14 +78,14 @@ fr::Status to_shape(const frAttentionShape* in, fr::AttentionShape* out) {
   out->num_qo_heads = in->num_qo_heads;
   out->num_kv_heads = in->num_kv_heads;
   out->head_dim = in->head_dim;
-  out->dtype = in->dtype == FR_FLOAT16 ? "float16" : in->dtype == FR_BFLOAT16 ? "bfloat16"
-                                                                              : "frDtype " + std::to_string(in->dtype);
+  out->dtype = in->dtype == FR_FLOAT16    ? "float16"
+               : in->dtype == FR_BFLOAT16 ? "bfloat16"
+                                          : "frDtype " + std::to_string(in->dtype);
   out->block_size = in->block_size;
   out->num_blocks = in->num_blocks;
   // The C ABI's 0 is the default scale; the core takes the scale itself.
   if (!std::isfinite(in->sm_scale) || in->sm_scale < 0)
-    return invalid("shape.sm_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got " +
-                   std::to_string(in->sm_scale));
+    return invalid("shape.sm_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got " + std::to_string(in->sm_scale));
   out->sm_scale = in->sm_scale != 0 || in->head_dim < 1 ? in->sm_scale : 1.0 / std::sqrt(double(in->head_dim));
   return fr::Status::Ok();
 }
@@ -122,9 +122,17 @@ fr::Status register_context(fr::Status opened, std::unique_ptr<fr::Context> core
 FR_EXPORT const char* frGetLastError(void) { return g_last_error.c_str(); }
 
 FR_EXPORT const char* frStatusName(frStatus status) {
-  static const char* const kNames[] = {"FR_OK", "FR_INVALID_ARGUMENT", "FR_NOT_FOUND", "FR_INVALID_MANIFEST",
-                                       "FR_CORRUPTED_ARTIFACT", "FR_DRIVER_UNAVAILABLE", "FR_CUDA_ERROR",
-                                       "FR_UNSUPPORTED_ARCH", "FR_IO_ERROR", "FR_OUT_OF_MEMORY", "FR_PLAN_MISMATCH",
+  static const char* const kNames[] = {"FR_OK",
+                                       "FR_INVALID_ARGUMENT",
+                                       "FR_NOT_FOUND",
+                                       "FR_INVALID_MANIFEST",
+                                       "FR_CORRUPTED_ARTIFACT",
+                                       "FR_DRIVER_UNAVAILABLE",
+                                       "FR_CUDA_ERROR",
+                                       "FR_UNSUPPORTED_ARCH",
+                                       "FR_IO_ERROR",
+                                       "FR_OUT_OF_MEMORY",
+                                       "FR_PLAN_MISMATCH",
                                        "FR_UNSUPPORTED"};
   int i = static_cast<int>(status);
   return i >= 0 && i < int(sizeof(kNames) / sizeof(kNames[0])) ? kNames[i] : "FR_UNKNOWN_STATUS";
@@ -151,9 +159,8 @@ FR_EXPORT frStatus frContextCreateHostOnly(const char* artifact_root, const char
 }
 
 FR_EXPORT frStatus frContextDestroy(frContext context) {
-  return guarded([&] {
-    return context ? Handles::instance().remove_context(value_of(context), "context") : fr::Status::Ok();
-  });
+  return guarded(
+      [&] { return context ? Handles::instance().remove_context(value_of(context), "context") : fr::Status::Ok(); });
 }
 
 FR_EXPORT frStatus frContextArch(frContext context, const char** arch) {
@@ -253,8 +260,8 @@ FR_EXPORT frStatus frPagedDecode(frContext context, const frAttentionShape* shap
     fr::AttentionShape s;
     fr::Status st = to_shape(shape, &s);
     if (!st.ok()) return st;
-    const uint64_t pointers[] = {address(q),          address(k_pool),   address(v_pool),
-                                 address(block_tables), address(seq_lens), address(out)};
+    const uint64_t pointers[] = {address(q),        address(k_pool), address(v_pool), address(block_tables),
+                                 address(seq_lens), address(out)};
     return fr::paged_decode(ctx, s, num_seqs, max_blocks, pointers, address(workspace), workspace_bytes,
                             fr::DecodeOptions(), stream_of(stream));
   });

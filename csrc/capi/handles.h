@@ -100,7 +100,10 @@ class Handles {
     for (const auto& plan : plans_) count += plan.second->context_handle == handle;
     plans.reserve(count);  // the only allocation: if it fails, nothing has changed
     for (auto p = plans_.begin(); p != plans_.end();) {
-      if (p->second->context_handle != handle) { ++p; continue; }
+      if (p->second->context_handle != handle) {
+        ++p;
+        continue;
+      }
       plans.push_back(std::move(p->second));
       p = plans_.erase(p);
     }
@@ -126,8 +129,8 @@ class Handles {
 
   // The tag: the registry's address (where this copy was loaded) and the time, mixed.
   Handles() {
-    uint64_t x = reinterpret_cast<uintptr_t>(this) ^
-                 uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+    uint64_t x =
+        reinterpret_cast<uintptr_t>(this) ^ uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;  // splitmix64's finaliser
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
     tag_ = (x ^ (x >> 31)) & kTagMask;
@@ -148,9 +151,8 @@ class Handles {
     if (!handle) return Status::Error(Code::kInvalidArgument, std::string(name) + " must not be NULL");
     uint64_t serial = handle >> kSerialShift & kSerialMask;
     uint64_t kind = handle & 0xF;
-    bool ours = (handle & kMark) == kMark && (handle >> kTagShift & kTagMask) == tag_ &&
-                serial >= 1 && serial < next_serial_ &&
-                (kind == uint64_t(Kind::kContext) || kind == uint64_t(Kind::kPlan));
+    bool ours = (handle & kMark) == kMark && (handle >> kTagShift & kTagMask) == tag_ && serial >= 1 &&
+                serial < next_serial_ && (kind == uint64_t(Kind::kContext) || kind == uint64_t(Kind::kPlan));
     std::string why;
     if (!ours)
       why = "is not a handle this library issued (a garbage value, or a handle of another copy of the library)";

@@ -10,7 +10,8 @@ namespace flash_reasoning {
 namespace {
 
 Status bad(const std::string& field, const std::string& expected, int64_t got) {
-  return Status::Error(Code::kInvalidArgument, "shape." + field + " must be " + expected + ", got " + std::to_string(got));
+  return Status::Error(Code::kInvalidArgument,
+                       "shape." + field + " must be " + expected + ", got " + std::to_string(got));
 }
 
 // The head_dims compiled for `family` and `dtype`, from the rule keys ("family/dtype/hd[/..]").
@@ -48,9 +49,9 @@ Status check_shape(const Context& ctx, const AttentionShape& s, const char* fami
   Status st = check_shape_fields(s);
   if (!st.ok()) return st;
   if (!ctx.rules().rules.count(std::string(family) + "/" + s.rule_suffix()))
-    return Status::Error(Code::kUnsupported, "head_dim " + std::to_string(s.head_dim) + " with " + s.dtype +
-                                                 " is not compiled for " + ctx.arch() + " (compiled head_dims: " +
-                                                 compiled_head_dims(ctx, family, s.dtype) + ")");
+    return Status::Error(Code::kUnsupported,
+                         "head_dim " + std::to_string(s.head_dim) + " with " + s.dtype + " is not compiled for " +
+                             ctx.arch() + " (compiled head_dims: " + compiled_head_dims(ctx, family, s.dtype) + ")");
   return Status::Ok();
 }
 

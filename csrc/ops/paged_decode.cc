@@ -50,9 +50,9 @@ Status plan_split(const Context& ctx, const AttentionShape& s, int64_t num_seqs,
   ctx.rules().constant("max_splits", &max_splits);
   if (splits < 0 || splits > max_splits)
     return invalid("splits must be 0 (chosen) or 1.." + std::to_string(max_splits) + ", got " + std::to_string(splits));
-  out->splits = splits ? splits
-                       : paged_decode_splits(ctx.rules(), num_seqs, out->tiles, max_blocks * s.block_size,
-                                             ctx.num_sms());
+  out->splits = splits
+                    ? splits
+                    : paged_decode_splits(ctx.rules(), num_seqs, out->tiles, max_blocks * s.block_size, ctx.num_sms());
   if (out->splits > 1) {
     out->partial_out_bytes = size_t(num_seqs * s.num_qo_heads * out->splits * s.head_dim) * 4;
     out->partial_lse_bytes = size_t(num_seqs * s.num_qo_heads * out->splits) * 4;
@@ -68,8 +68,8 @@ LaunchArg call(const char* name) {
 
 }  // namespace
 
-int64_t paged_decode_splits(const DispatchTable& rules, int64_t num_seqs, int64_t programs_per_seq,
-                            int64_t max_seq_len, int64_t num_sms) {
+int64_t paged_decode_splits(const DispatchTable& rules, int64_t num_seqs, int64_t programs_per_seq, int64_t max_seq_len,
+                            int64_t num_sms) {
   int64_t programs = num_seqs * programs_per_seq;
   if (programs == 0 || programs >= num_sms) return 1;
   int64_t min_tokens = 256, max_splits = 64;
@@ -94,17 +94,21 @@ void add_decode_args(const Context& ctx, const AttentionShape& s, const DecodePo
   int64_t tokens_per_split = std::max(ceil_div(per_split, block_n) * block_n, block_n);
   bool split = launch->launch.grid[2] > 1;
   LaunchArg none_out = LaunchArg::Value("out", Arg::UInt(0));
-  launch->launch.args = {p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens, split ? none_out : p.out,
-                         split ? LaunchArg::Workspace("partial_out", partial_out)
-                               : LaunchArg::Value("partial_out", Arg::UInt(0)),
-                         split ? LaunchArg::Workspace("partial_lse", partial_lse)
-                               : LaunchArg::Value("partial_lse", Arg::UInt(0)),
-                         LaunchArg::Value("sm_scale_log2", Arg::Float(s.scale_log2())),
-                         LaunchArg::Value("num_qo_heads", Arg::Int(s.num_qo_heads)),
-                         LaunchArg::Value("num_kv_heads", Arg::Int(s.num_kv_heads)),
-                         LaunchArg::Value("page_size", Arg::Int(s.block_size)),
-                         LaunchArg::Value("max_blocks", Arg::Int(max_blocks)),
-                         LaunchArg::Value("tokens_per_split", Arg::Int(tokens_per_split))};
+  launch->launch.args = {
+      p.q,
+      p.k_pool,
+      p.v_pool,
+      p.block_tables,
+      p.seq_lens,
+      split ? none_out : p.out,
+      split ? LaunchArg::Workspace("partial_out", partial_out) : LaunchArg::Value("partial_out", Arg::UInt(0)),
+      split ? LaunchArg::Workspace("partial_lse", partial_lse) : LaunchArg::Value("partial_lse", Arg::UInt(0)),
+      LaunchArg::Value("sm_scale_log2", Arg::Float(s.scale_log2())),
+      LaunchArg::Value("num_qo_heads", Arg::Int(s.num_qo_heads)),
+      LaunchArg::Value("num_kv_heads", Arg::Int(s.num_kv_heads)),
+      LaunchArg::Value("page_size", Arg::Int(s.block_size)),
+      LaunchArg::Value("max_blocks", Arg::Int(max_blocks)),
+      LaunchArg::Value("tokens_per_split", Arg::Int(tokens_per_split))};
 }
 
 Status paged_decode_launches(const Context& ctx, const AttentionShape& s, int64_t num_seqs, int64_t max_blocks,
@@ -120,17 +124,19 @@ Status paged_decode_launches(const Context& ctx, const AttentionShape& s, int64_
   int64_t per_split = ceil_div(max_blocks * s.block_size, split.splits);
   OpLaunch decode;
   std::string family = split.splits > 1 ? "paged_decode_split/" : "paged_decode/";
-  st = pick_launch(ctx, ctx.num_sms(), addressing_rule_key(ctx, family + s.rule_suffix(), s.block_size), per_split, num_seqs,
-                   split.tiles, split.splits, &decode);
+  st = pick_launch(ctx, ctx.num_sms(), addressing_rule_key(ctx, family + s.rule_suffix(), s.block_size), per_split,
+                   num_seqs, split.tiles, split.splits, &decode);
   if (!st.ok()) return st;
   if (options.kernel >= 0) decode.launch.kernel = options.kernel;
-  DecodePointers pointers = {call("q"), call("k_pool"), call("v_pool"), call("block_tables"), call("seq_lens"),
-                             call("out")};
+  DecodePointers pointers = {call("q"),        call("k_pool"), call("v_pool"), call("block_tables"),
+                             call("seq_lens"), call("out")};
   add_decode_args(ctx, s, pointers, max_blocks, per_split, 0, int64_t(split.lse_offset()), &decode);
   out->launches.push_back(std::move(decode));
   if (split.splits == 1) return Status::Ok();
   OpLaunch merge;
-  if (!(st = pick_launch(ctx, ctx.num_sms(), "merge_splits/" + s.rule_suffix(), -1, num_seqs * s.num_qo_heads, 1, 1, &merge)).ok())
+  if (!(st = pick_launch(ctx, ctx.num_sms(), "merge_splits/" + s.rule_suffix(), -1, num_seqs * s.num_qo_heads, 1, 1,
+                         &merge))
+           .ok())
     return st;
   merge.launch.args = {LaunchArg::Workspace("partial_out", 0),
                        LaunchArg::Workspace("partial_lse", int64_t(split.lse_offset())), call("out"),
@@ -148,7 +154,8 @@ Status paged_decode(Context& ctx, const AttentionShape& s, int64_t num_seqs, int
   if (!st.ok()) return st;
   if (workspace && workspace_bytes < decode.workspace_bytes)
     return invalid("workspace has " + std::to_string(workspace_bytes) + " bytes, this decode needs " +
-                   std::to_string(decode.workspace_bytes) + " (frPagedDecodeWorkspaceSize), or pass NULL to never split");
+                   std::to_string(decode.workspace_bytes) +
+                   " (frPagedDecodeWorkspaceSize), or pass NULL to never split");
   for (size_t i = 0; i < kDecodePointers.size(); ++i)
     if (!pointers[i] || pointers[i] % kPointerAlign)
       return invalid(std::string(kDecodePointers[i]) + " must be a non-NULL, " + std::to_string(kPointerAlign) +
@@ -166,7 +173,8 @@ Status append_kv_launch(const Context& ctx, int64_t num_tokens, int64_t num_kv_h
   int64_t block = 0, row_elems = num_kv_heads * head_dim;
   Status st = ctx.rules().constant("append_block", &block);
   OpLaunch append;
-  if (st.ok()) st = pick_launch(ctx, ctx.num_sms(), "append_kv", -1, num_tokens, ceil_div(row_elems, block), 1, &append);
+  if (st.ok())
+    st = pick_launch(ctx, ctx.num_sms(), "append_kv", -1, num_tokens, ceil_div(row_elems, block), 1, &append);
   if (!st.ok()) return st;
   out->clear();
   if (!num_tokens) return Status::Ok();

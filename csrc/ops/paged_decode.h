@@ -36,8 +36,8 @@ Status paged_decode_launches(const Context& ctx, const AttentionShape& shape, in
                              bool may_split, const DecodeOptions& options, DecodeLaunches* out);
 
 // Splits per sequence: until about two programs run per SM (Python: dispatch.num_splits).
-int64_t paged_decode_splits(const DispatchTable& rules, int64_t num_seqs, int64_t programs_per_seq,
-                            int64_t max_seq_len, int64_t num_sms);
+int64_t paged_decode_splits(const DispatchTable& rules, int64_t num_seqs, int64_t programs_per_seq, int64_t max_seq_len,
+                            int64_t num_sms);
 
 // Bytes of workspace that let the decode split as it wants (0 when it would not split).
 Status paged_decode_workspace(const Context& ctx, const AttentionShape& shape, int64_t num_seqs, int64_t max_blocks,

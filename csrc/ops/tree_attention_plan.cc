@@ -42,8 +42,8 @@ Status check_tree(const AttentionShape& shape, const TreeInput& tree, int64_t co
       int32_t block = tree.tables[i * tree.stride + j];
       if (block < 0 || block >= shape.num_blocks)
         return invalid(at + ": block_tables[" + std::to_string(i) + "][" + std::to_string(j) + "] is " +
-                       std::to_string(block) + ", must be in [0, shape.num_blocks = " +
-                       std::to_string(shape.num_blocks) + ")");
+                       std::to_string(block) +
+                       ", must be in [0, shape.num_blocks = " + std::to_string(shape.num_blocks) + ")");
     }
   }
   return Status::Ok();
@@ -62,8 +62,8 @@ std::vector<int32_t> dense_tables(const AttentionShape& shape, const TreeInput& 
 int64_t longest_item(const ItemList& items) {
   int64_t longest = 0;
   for (int64_t k = 0; k < items.count(); ++k)
-    longest = std::max<int64_t>(longest, items.records[k * kTreeItemFields.size() + 2] -
-                                             items.records[k * kTreeItemFields.size() + 1]);
+    longest = std::max<int64_t>(
+        longest, items.records[k * kTreeItemFields.size() + 2] - items.records[k * kTreeItemFields.size() + 1]);
   return longest;
 }
 
@@ -97,9 +97,8 @@ Status plan_shape_of(const Context* ctx, const AttentionShape& shape, int64_t nu
 
 }  // namespace
 
-Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, const TreeInput& tree,
-                                 int64_t extra_blocks, const PlanOptions& options,
-                                 std::unique_ptr<TreeAttentionPlan>* out) {
+Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, const TreeInput& tree, int64_t extra_blocks,
+                                 const PlanOptions& options, std::unique_ptr<TreeAttentionPlan>* out) {
   Status st = ctx ? check_shape(*ctx, shape, "tree_final") : check_shape_fields(shape);
   if (st.ok()) st = check_tree(shape, tree, tree.stride, Code::kInvalidArgument);
   if (!st.ok()) return st;
@@ -137,10 +136,10 @@ Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, Segm
   p->tree_ = std::move(tree);
   // Before packing: two-run items carry their run split in their records.
   for (ItemList& items : p->plan_.items)
-    p->slot_runs_.push_back(!tables || options.slot_runs == 0
-                                ? 0
-                                : item_runs(&items, p->plan_.final_start, p->tables_.data(), p->max_blocks_,
-                                            shape.block_size));
+    p->slot_runs_.push_back(
+        !tables || options.slot_runs == 0
+            ? 0
+            : item_runs(&items, p->plan_.final_start, p->tables_.data(), p->max_blocks_, shape.block_size));
   pack_work_lists(p->plan_, &p->work_, &p->work_offset_);
   p->layout_workspace();
   if (ctx && !(st = p->build_launches()).ok()) return st;
@@ -215,8 +214,9 @@ Status TreeAttentionPlan::add_partial_launches() {
     int64_t grid[3];
     ordered_grid(items.count(), shape_.num_kv_heads, items.heads_first, grid);
     OpLaunch launch;
-    Status st = pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, key, shape_.block_size, slot_runs_[i]),
-                            longest_item(items), grid[0], grid[1], grid[2], &launch);
+    Status st =
+        pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, key, shape_.block_size, slot_runs_[i]),
+                    longest_item(items), grid[0], grid[1], grid[2], &launch);
     if (!st.ok()) return st;
     launch.launch.args = {call(0),
                           call(1, slots, row),
@@ -249,13 +249,15 @@ Status TreeAttentionPlan::add_last_launch() {
   OpLaunch launch;
   Status st;
   if (plan_.separate_merge) {
-    st = pick_launch(*ctx_, plan_shape_.num_sms, "tree_merge/" + shape_.rule_suffix(), -1, n, shape_.num_qo_heads, 1, &launch);
+    st = pick_launch(*ctx_, plan_shape_.num_sms, "tree_merge/" + shape_.rule_suffix(), -1, n, shape_.num_qo_heads, 1,
+                     &launch);
     launch.launch.args = {work_list("merge_ptr", kMergePtr), region_arg("partial_out", Region::kPartialOut),
                           region_arg("partial_lse", Region::kPartialLse), call(3),
                           LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads))};
   } else if (plan_.as_paged_decode) {  // unsplit, each program a whole branch up to the table's end
-    st = pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, "paged_decode/" + shape_.rule_suffix(), shape_.block_size),
-                     longest, n, tiles, 1, &launch);
+    st = pick_launch(*ctx_, plan_shape_.num_sms,
+                     addressing_rule_key(*ctx_, "paged_decode/" + shape_.rule_suffix(), shape_.block_size), longest, n,
+                     tiles, 1, &launch);
     if (st.ok())
       add_decode_args(*ctx_, shape_,
                       {call(0), call(1), call(2), region_arg("block_tables", Region::kTables),
@@ -271,8 +273,9 @@ Status TreeAttentionPlan::add_last_launch() {
     }
     int64_t grid[3];
     ordered_grid(ceil_div(n, lanes), tiles, plan_.final_heads_first, grid);
-    st = pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size),
-                     longest * lanes, grid[0], grid[1], grid[2], &launch);
+    st = pick_launch(*ctx_, plan_shape_.num_sms,
+                     addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest * lanes,
+                     grid[0], grid[1], grid[2], &launch);
     launch.launch.args = {call(0),
                           call(1),
                           call(2),
@@ -327,8 +330,7 @@ Status TreeAttentionPlan::allocate_workspace() {
   return Status::Ok();
 }
 
-Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out,
-                              CUstream stream) const {
+Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream) const {
   Status st = check_pointers({{"q", q}, {"k_pool", k_pool}, {"v_pool", v_pool}, {"out", out}});
   if (st.ok()) st = ctx_ ? ctx_->require_device("frPlanRun") : invalid("a plan made without a context cannot run");
   if (!st.ok() || launches_.empty()) return st;
@@ -369,8 +371,8 @@ Status TreeAttentionPlan::update(const TreeInput& tree, CUstream stream) {
   if (st.ok() && !owns_workspace_) st = invalid("update writes the plan's own workspace (allocate_workspace)");
   if (!st.ok()) return st;
   // Pageable sources: each copy returns once its bytes are staged, so the buffers may change after.
-  st = ctx_->copy_to_device_async(workspace_ + regions_[int(Region::kTables)].offset, tables.data(),
-                                  tables.size() * 4, stream);
+  st = ctx_->copy_to_device_async(workspace_ + regions_[int(Region::kTables)].offset, tables.data(), tables.size() * 4,
+                                  stream);
   if (st.ok())
     st = ctx_->copy_to_device_async(workspace_ + regions_[int(Region::kLengths)].offset, lengths.data(),
                                     lengths.size() * 4, stream);

@@ -195,13 +195,13 @@ struct PlanShape {
 struct PlanOptions {
   int64_t target_chunk = 0;  // 0: from the cost model; else tokens per chunk (tuning)
   double reread_weight = kRereadWeight;
-  int separate_merge = -1;   // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
-  int flat = -1;             // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
-  int64_t final_lanes = 0;   // 0: by final_lanes(); else forced, 1..PlanShape::max_wide_final_lanes()
-  int one_tile = -1;         // -1: by estimated_us() (above); 0: each range's own tile; 1: all wide
-  int early_final = -1;      // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
-  int host_nodes = -1;       // -1 or 1: hosted nodes read in their host's tiles; 0: each its own (tests)
-  int slot_runs = -1;        // -1 or 1: slot-run kernels where the pages allow (item_runs); 0: never
+  int separate_merge = -1;  // -1: by kSeparateMergeSteps; 0 or 1: forced (tuning, tests)
+  int flat = -1;            // -1: the faster by estimated_us(); 0: the cost model's folds; 1: flat
+  int64_t final_lanes = 0;  // 0: by final_lanes(); else forced, 1..PlanShape::max_wide_final_lanes()
+  int one_tile = -1;        // -1: by estimated_us() (above); 0: each range's own tile; 1: all wide
+  int early_final = -1;     // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
+  int host_nodes = -1;      // -1 or 1: hosted nodes read in their host's tiles; 0: each its own (tests)
+  int slot_runs = -1;       // -1 or 1: slot-run kernels where the pages allow (item_runs); 0: never
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.

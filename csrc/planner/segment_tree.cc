@@ -256,8 +256,9 @@ Status check_breaks(int64_t num_rows, const int64_t* lengths, int64_t num_breaks
   if (num_breaks < 0) return invalid("num_breaks must be >= 0, got " + std::to_string(num_breaks));
   if (num_rows && (!num_breaks || breaks[0] != 0)) return invalid("breaks must start at 0");
   for (int64_t c = 1; c < num_breaks; ++c)
-    if (breaks[c] <= breaks[c - 1]) return invalid("breaks must be strictly increasing, got " +
-                                                   std::to_string(breaks[c - 1]) + " then " + std::to_string(breaks[c]));
+    if (breaks[c] <= breaks[c - 1])
+      return invalid("breaks must be strictly increasing, got " + std::to_string(breaks[c - 1]) + " then " +
+                     std::to_string(breaks[c]));
   for (int64_t i = 0; i < num_rows; ++i) {
     if (!std::binary_search(breaks, breaks + num_breaks, lengths[i]))
       return invalid("breaks must hold every row length; row " + std::to_string(i) + "'s " +
@@ -307,7 +308,9 @@ bool tree_reads_block(const SegmentTree& tree, const int64_t* tables, const int6
 
 namespace {
 
-Status broken(const std::string& what) { return Status::Error(Code::kInvalidArgument, "invalid segment tree: " + what); }
+Status broken(const std::string& what) {
+  return Status::Error(Code::kInvalidArgument, "invalid segment tree: " + what);
+}
 
 std::string at(const char* array, int64_t i) { return std::string(array) + "[" + std::to_string(i) + "]"; }
 

@@ -130,8 +130,8 @@ void run_sequence(const fr::LaunchSequence& s, py::handle pointers, uintptr_t st
     values[i] = PyLong_AsUnsignedLongLong(items[i]);  // ints only: TypeError for anything else
     if (values[i] == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
       PyErr_Clear();
-      raise(invalid("pointer " + std::to_string(i) + " ('" + s.holes()[i] +
-                    "') must be an int in [0, 2**64), got " + py::repr(items[i]).cast<std::string>()));
+      raise(invalid("pointer " + std::to_string(i) + " ('" + s.holes()[i] + "') must be an int in [0, 2**64), got " +
+                    py::repr(items[i]).cast<std::string>()));
     }
   }
   check(s.run(values, n, reinterpret_cast<fr::CUstream>(stream)));
@@ -161,11 +161,11 @@ void require(bool ok, const std::string& message) {
 // The SegmentTree's arrays by the names of Python's dataclass fields: both directions use it.
 using TreeArray = std::vector<int64_t> fr::SegmentTree::*;
 constexpr std::pair<const char*, TreeArray> kTreeArrays[] = {
-    {"lengths", &fr::SegmentTree::lengths},       {"node_start", &fr::SegmentTree::node_start},
-    {"node_end", &fr::SegmentTree::node_end},     {"node_parent", &fr::SegmentTree::node_parent},
-    {"node_lo", &fr::SegmentTree::node_lo},       {"node_hi", &fr::SegmentTree::node_hi},
-    {"order", &fr::SegmentTree::order},           {"end_node", &fr::SegmentTree::end_node},
-    {"path_ptr", &fr::SegmentTree::path_ptr},     {"path_nodes", &fr::SegmentTree::path_nodes}};
+    {"lengths", &fr::SegmentTree::lengths},   {"node_start", &fr::SegmentTree::node_start},
+    {"node_end", &fr::SegmentTree::node_end}, {"node_parent", &fr::SegmentTree::node_parent},
+    {"node_lo", &fr::SegmentTree::node_lo},   {"node_hi", &fr::SegmentTree::node_hi},
+    {"order", &fr::SegmentTree::order},       {"end_node", &fr::SegmentTree::end_node},
+    {"path_ptr", &fr::SegmentTree::path_ptr}, {"path_nodes", &fr::SegmentTree::path_nodes}};
 
 py::dict tree_to_dict(const fr::SegmentTree& t) {
   py::dict d;
@@ -320,7 +320,8 @@ py::dict plan_arrays(const fr::TreeAttentionPlan& plan) {
   stats["partial_chunks"] = p.chunk_start.size();
   stats["entries"] = p.num_entries;
   py::dict programs;
-  for (const fr::ItemList& list : p.items) programs[py::int_(list.block_m)] = list.count() * plan.plan_shape().num_kv_heads;
+  for (const fr::ItemList& list : p.items)
+    programs[py::int_(list.block_m)] = list.count() * plan.plan_shape().num_kv_heads;
   stats["partial_programs"] = programs;
   d["stats"] = stats;
   return d;
@@ -345,12 +346,13 @@ std::unique_ptr<fr::TreeAttentionPlan> make_tree_plan(fr::Context* context, cons
 
 py::dict regions(const fr::TreeAttentionPlan& plan) {
   static const std::pair<const char*, fr::Region> kNames[] = {{"work", fr::Region::kWork},
-                                                             {"tables", fr::Region::kTables},
-                                                             {"lengths", fr::Region::kLengths},
-                                                             {"partial_out", fr::Region::kPartialOut},
-                                                             {"partial_lse", fr::Region::kPartialLse}};
+                                                              {"tables", fr::Region::kTables},
+                                                              {"lengths", fr::Region::kLengths},
+                                                              {"partial_out", fr::Region::kPartialOut},
+                                                              {"partial_lse", fr::Region::kPartialLse}};
   py::dict d;
-  for (const auto& [name, region] : kNames) d[name] = py::make_tuple(plan.region(region).offset, plan.region(region).bytes);
+  for (const auto& [name, region] : kNames)
+    d[name] = py::make_tuple(plan.region(region).offset, plan.region(region).bytes);
   return d;
 }
 
@@ -364,8 +366,8 @@ uint64_t address(py::handle h) {
 }
 
 std::vector<uint64_t> addresses(const py::sequence& pointers, size_t count, const char* what) {
-  require(pointers.size() == count, std::string(what) + " takes " + std::to_string(count) + " pointers, got " +
-                                        std::to_string(pointers.size()));
+  require(pointers.size() == count,
+          std::string(what) + " takes " + std::to_string(count) + " pointers, got " + std::to_string(pointers.size()));
   std::vector<uint64_t> out;
   for (py::handle h : pointers) out.push_back(address(h));
   return out;
@@ -386,8 +388,7 @@ using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecas
 int item_runs(py::array records, const Int32Array& final_start, const Int64Array& tables, const Int64Array& rows,
               int64_t block_size) {
   int64_t fields = int64_t(fr::kTreeItemFields.size());
-  require(records.dtype().is(py::dtype::of<int32_t>()) && records.writeable() &&
-              (records.flags() & py::array::c_style),
+  require(records.dtype().is(py::dtype::of<int32_t>()) && records.writeable() && (records.flags() & py::array::c_style),
           "records must be a writeable C-contiguous int32 array");
   require(records.ndim() == 2 && records.shape(1) == fields, "records must be [items, len(TREE_ITEM_FIELDS)]");
   require(final_start.ndim() == 1 && rows.ndim() == 1 && rows.size() == final_start.size(),
@@ -475,13 +476,13 @@ PYBIND11_MODULE(_core, m) {
         return fr::leaves_outweigh_root(root_tokens, root_tiles, root_programs, wide_tile, leaf_tokens, shape);
       },
       py::arg("root_tokens"), py::arg("root_tiles"), py::arg("root_programs"), py::arg("wide_tile"),
-      py::arg("leaf_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype_bytes"),
-      py::arg("num_sms"),
+      py::arg("leaf_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype_bytes"), py::arg("num_sms"),
       "Whether a lone root's leaves take longer to read than the root takes, by the cost model's terms "
       "(csrc/core/planner.h).");
   m.attr("HEADS_FIRST_LENGTH_RATIO") = fr::kHeadsFirstLengthRatio;
   m.attr("HEADS_FIRST_PROGRAMS_PER_SM") = fr::kHeadsFirstProgramsPerSm;
-  m.attr("TREE_ITEM_FIELDS") = py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
+  m.attr("TREE_ITEM_FIELDS") =
+      py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("COMMON_FIELDS") = py::cast(std::vector<std::string>(fr::kCommonFields.begin(), fr::kCommonFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;
   m.attr("SEPARATE_MERGE_STEPS") = fr::kSeparateMergeSteps;
@@ -495,9 +496,9 @@ PYBIND11_MODULE(_core, m) {
            }),
            py::arg("arch_dir"), py::arg("device") = 0)
       .def_property_readonly("arch", [](const fr::Launcher& l) { return l.manifest().arch; })
-      .def_property_readonly("package_version",
-                             [](const fr::Launcher& l) { return l.manifest().package_version; },
-                             "The package version that built the manifest ('' when it does not say).")
+      .def_property_readonly(
+          "package_version", [](const fr::Launcher& l) { return l.manifest().package_version; },
+          "The package version that built the manifest ('' when it does not say).")
       .def("kernel_names",
            [](const fr::Launcher& l) {
              std::vector<std::string> names;
@@ -635,7 +636,8 @@ PYBIND11_MODULE(_core, m) {
           [](fr::Context& c, const py::sequence& pointers, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
              uintptr_t stream) {
             std::vector<uint64_t> p = addresses(pointers, fr::kAppendPointers.size(), "append_kv");
-            check(fr::append_kv(c, p.data(), num_tokens, num_kv_heads, head_dim, reinterpret_cast<fr::CUstream>(stream)));
+            check(
+                fr::append_kv(c, p.data(), num_tokens, num_kv_heads, head_dim, reinterpret_cast<fr::CUstream>(stream)));
           },
           py::arg("pointers"), py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("stream"),
           "Write K/V rows into pool slots on `stream` (pointers in APPEND_KV_POINTERS order).");
@@ -689,4 +691,3 @@ PYBIND11_MODULE(_core, m) {
           py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("out"), py::arg("stream"),
           "Launch the plan with this call's pointers on `stream`. Asynchronous; allocates nothing.");
 }
-

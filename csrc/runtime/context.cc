@@ -61,14 +61,16 @@ Status Context::open(const std::string& artifact_root, int device, std::unique_p
   return load(artifact_root, arch, device, num_sms, out);
 }
 
-Status Context::open_host_only(const std::string& artifact_root, const std::string& arch,
-                               std::unique_ptr<Context>* out, int num_sms) {
+Status Context::open_host_only(const std::string& artifact_root, const std::string& arch, std::unique_ptr<Context>* out,
+                               int num_sms) {
   // An arch names a folder directly under the root ("sm90"), never a path ("../sm90").
   bool well_formed = arch.size() > 2 && arch.size() <= 6 && arch.compare(0, 2, "sm") == 0 &&
                      arch.find_first_not_of("0123456789", 2) == std::string::npos;
   if (!well_formed)
-    return Status::Error(Code::kInvalidArgument, "arch must be 'sm' followed by digits (a folder of the artifact "
-                                                 "root, e.g. 'sm90'), got '" + arch + "'");
+    return Status::Error(Code::kInvalidArgument,
+                         "arch must be 'sm' followed by digits (a folder of the artifact "
+                         "root, e.g. 'sm90'), got '" +
+                             arch + "'");
   if (num_sms < 1) return Status::Error(Code::kInvalidArgument, "num_sms must be >= 1, got " + std::to_string(num_sms));
   return load(artifact_root, arch, -1, num_sms, out);
 }

@@ -26,8 +26,8 @@ class Context {
   // The arch folder under `artifact_root` serving `device`.
   static Status open(const std::string& artifact_root, int device, std::unique_ptr<Context>* out);
   // `arch` (e.g. "sm90") under `artifact_root`, with no driver, planning for `num_sms` SMs.
-  static Status open_host_only(const std::string& artifact_root, const std::string& arch,
-                               std::unique_ptr<Context>* out, int num_sms = kHostOnlySms);
+  static Status open_host_only(const std::string& artifact_root, const std::string& arch, std::unique_ptr<Context>* out,
+                               int num_sms = kHostOnlySms);
   static constexpr int kHostOnlySms = 132;  // an H100's: plans made without a device look like its plans
 
   const std::string& arch() const { return launcher_->manifest().arch; }

@@ -1,14 +1,13 @@
 #include "util/file_util.h"
 
-#include <cerrno>
-#include <cstring>
-
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <new>
 
 namespace flash_reasoning {
@@ -44,8 +43,9 @@ Status read_exactly(int fd, size_t size, const std::string& path, const char* wh
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return io_error(path, what, std::string("cannot be read: ") + std::strerror(errno));
     if (n == 0)
-      return io_error(path, what, "ended after " + std::to_string(done) + " of its " + std::to_string(size) +
-                                      " bytes: it changed while being read");
+      return io_error(path, what,
+                      "ended after " + std::to_string(done) + " of its " + std::to_string(size) +
+                          " bytes: it changed while being read");
     done += size_t(n);
   }
   out->swap(bytes);
@@ -70,8 +70,9 @@ Status read_file(const std::string& path, const char* what, std::string* out, si
   else if (!S_ISREG(info.st_mode))
     st = io_error(path, what, std::string("is ") + file_kind(info.st_mode) + ", not a regular file");
   else if (uint64_t(info.st_size) > max_bytes)
-    st = io_error(path, what, "is " + std::to_string(info.st_size) + " bytes, more than the " +
-                                  std::to_string(max_bytes) + " a " + what + " may hold");
+    st = io_error(path, what,
+                  "is " + std::to_string(info.st_size) + " bytes, more than the " + std::to_string(max_bytes) + " a " +
+                      what + " may hold");
   else
     st = read_exactly(fd, size_t(info.st_size), path, what, out);
   ::close(fd);

@@ -1,46 +1,16 @@
-"""The tree-attention planner: from a segment tree to what each kernel program computes.
+"""The tree-attention planner's input, options and output.
 
-Every node of the :class:`~flash_reasoning.segment_tree.SegmentTree` is either *computed* once
-for all the branches below it (its KV read once, one fp32 partial per branch written and merged later)
-or *folded* into its consumers (its children and the branches ending at it), which then read
-its tokens as part of their own range. The cost model folds a node when re-reading its KV costs
-less than the partials it would write; an exclusive leaf always folds into its branch.
+The planner cuts a :class:`~flash_reasoning.segment_tree.SegmentTree` into work: each node
+*computed* once for the branches below it (a partial per branch, merged later) or *folded* into
+its consumers; long ranges cut into chunks (partial work items over tiles of (branch, head)
+rows); each branch's *final range* walked, and its partials merged, by the final kernel, or
+everything chunked and merged by a separate merge kernel; final programs packed with several
+branches (*lanes*), reading their lanes' *shared range* once; the whole tree *flat* where the
+cost model finds that faster. ``docs/algorithm.md`` describes it.
 
-Each branch ends with a *final range* (what is left of its path after the computed nodes, read
-through its own block table): the final kernel computes it, merges the branch's partials along
-its path and writes the output. Long ranges (computed nodes and final ranges) are cut into
-chunks so the grid fills the GPU; every chunk but a final range's last one becomes a partial
-work item, tiled over its (branch, query head) rows. A final-kernel program walks its range's
-KV tiles, then folds its branch's partials one after another; a plan where some program's walk
-is ``kSeparateMergeSteps`` long, and whose final launch is too small to fill the GPU,
-*merges separately* instead: every chunk of every final range
-is a partial item (the last one *open*: it reads to its branch's length at run time), and a
-merge kernel folds each (branch, head) row's partials in vectorised blocks; no final kernel
-runs. A plan with no partials at all (nothing computed, nothing split) is a paged decode and
-runs ``paged_decode``'s kernel. Where the GQA group leaves rows of the final kernel's tile
-free, one final program serves ``final_lanes`` branches (1, or a power of two from 4, while one
-program per SM remains; beside a lone root of one program per SM, until every packed program
-fits two per SM beside it, in the wide final tile's rows where the root is estimated to outlast the final
-launch) and walks their final ranges side by side. The final (or merge) launch starts
-while the last partial launch runs: a final kernel at its programs' start (``early_final``:
-it walks its own ranges before it waits for the partials), a merge kernel after their walks
-(it has nothing to do before its wait). A plan that merges separately over both row tiles is
-also planned with every item in the wide tile (*one tile*: one partial launch fewer, the
-same folds), kept where it estimates faster.
-
-Computing shared nodes saves HBM bytes but costs a partial launch and a merge, which a small
-tree cannot repay (one KV head: 512 bytes a token). So the tree is also planned *flat* (every
-node folded: each branch reads its whole path, as a paged decode does), and the plan whose
-launches ``stats["estimated_us"]`` estimates faster is kept. Where a packed final program's
-lanes begin their final ranges in the same folded node (a flat plan's sibling leaves, say),
-the program walks that *shared range* once as a dense tile of all its rows, then each lane's
-rest (``common``): a flat plan of a deep tree of short nodes then reads each node about once
-per program, not once per branch.
-
-The planner itself is C++ (``csrc/planner/planner.cc``), and so is the plan that lists a
-tree's launches (``csrc/ops/tree_attention_plan.cc``): both front ends, Python's
-``TreeAttentionPlan`` and the C ABI, plan and launch through the same code. This module
-describes the planner's input and output, and plans without kernels (tests, tools).
+The planner is C++ (``csrc/planner/planner.cc``), and so is the plan that lists a tree's
+launches (``csrc/ops/tree_attention_plan.cc``): Python's ``TreeAttentionPlan`` and the C ABI plan
+and launch through the same code. :func:`plan` plans without kernels (tests, tools).
 """
 from __future__ import annotations
 
