@@ -90,10 +90,12 @@ def test_manifest_dispatch_rules_pick_what_python_picks(arch):
                             slot_runs).name, \
                             (key, tokens, programs)
     assert _manifest(arch)["dispatch"]["constants"]["block_m"] == dispatch.BLOCK_M
-    for seqs, programs, length in [(1, 8, 2048), (4, 16, 32768), (1, 2, 100), (64, 8, 4096),
-                                   (3, 1, 700), (0, 8, 10)]:
-        assert launcher.paged_decode_splits(seqs, programs, length, 132) == \
-            dispatch.num_splits(seqs, programs, length, 132)
+    # Splits until about two programs run per SM, each of at least MIN_TOKENS_PER_SPLIT tokens,
+    # at most MAX_SPLITS; none once the programs fill the SMs.
+    for seqs, programs, length, splits in [(1, 8, 2048, 8), (4, 16, 32768, 5), (1, 2, 100, 1),
+                                           (64, 8, 4096, 1), (3, 1, 700, 2), (0, 8, 10, 1),
+                                           (1, 1, 1 << 20, dispatch.MAX_SPLITS)]:
+        assert launcher.paged_decode_splits(seqs, programs, length, 132) == splits
 
 
 def _build(out, cache):

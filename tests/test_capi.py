@@ -626,10 +626,9 @@ def test_planner_agrees_with_python(api, host_context, seed):
 
 @pytest.mark.parametrize("seq_lens", [[3000, 40], [100] * 200])
 def test_paged_decode_workspace_size_agrees_with_python(api, host_context, seq_lens):
-    from flash_reasoning import dispatch
     shape, max_blocks = SEED_SHAPE, -(-max(seq_lens) // 16)
-    tiles = dispatch.decode_tiles_per_kv_head(32, 8) * 8
-    splits = dispatch.num_splits(len(seq_lens), tiles, max_blocks * 16, 132)
+    splits = runtime.host_context(ARCH, 132).paged_decode_launches(
+        {**dict(SEED_SHAPE), "dtype": "float16", "sm_scale": 0.1}, len(seq_lens), max_blocks, True)[1]
     partial_out = len(seq_lens) * 32 * splits * 128 * 4
     expected = 0 if splits == 1 else -(-partial_out // 256) * 256 + len(seq_lens) * 32 * splits * 4
     size = api.ffi.new("size_t*")

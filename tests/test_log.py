@@ -82,7 +82,10 @@ def test_paged_decode_logs_splits_and_config(caplog, num_splits, reason):
                     arch="sm90", num_sms=132, num_splits=num_splits)
     splits, config = messages(caplog, "paged_decode")
     assert reason in splits
-    splits = num_splits or dispatch.num_splits(2, 2, 2048, 132)
+    splits = num_splits or runtime.host_context("sm90", 132).paged_decode_launches(
+        {"num_qo_heads": 8, "num_kv_heads": 2, "head_dim": 128, "dtype": "float16",
+         "block_size": p.k_pool.shape[1], "num_blocks": p.k_pool.shape[0], "sm_scale": 0.1},
+        2, p.block_tables.shape[1], True)[1]
     tokens = -(-2048 // splits)
     assert config == expected_record("paged_decode_split", "float16", tokens, 2 * 2 * splits)
 

@@ -451,22 +451,11 @@ def decode_tiles_per_kv_head(num_qo_heads: int, num_kv_heads: int) -> int:
     return math.ceil(num_qo_heads // num_kv_heads / BLOCK_M)
 
 
-def num_splits(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: int) -> int:
-    """Split each sequence along its length until about two programs run per SM.
-
-    Enough programs already: no split (the merge costs a launch and partial traffic).
-    """
-    programs = num_seqs * programs_per_seq
-    if programs == 0 or programs >= num_sms:
-        return 1
-    wanted = math.ceil(2 * num_sms / programs)
-    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
-
-
 def split_reason(num_seqs: int, programs_per_seq: int, max_seq_len: int, num_sms: int,
                  splits: int) -> str:
-    """Why :func:`num_splits` gives ``splits`` for these arguments."""
+    """Why a paged decode takes ``splits`` splits (csrc/ops/paged_decode.cc's
+    ``paged_decode_splits``: toward two programs per SM, each split at least
+    :data:`MIN_TOKENS_PER_SPLIT` tokens, at most :data:`MAX_SPLITS`)."""
     programs = num_seqs * programs_per_seq
     if splits > 1:
         return f"{programs} programs < {num_sms} SMs: split toward 2 programs per SM"
