@@ -13,7 +13,14 @@ import numpy  # noqa: E402
 import torch  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+
+
+def gpu(test):
+    """A test that needs a CUDA GPU: marked ``gpu`` (``pytest -m gpu`` runs them alone, as
+    ci/gpu_check.sh does), skipped without one."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")(test))
+
+
 # Triton 3.6's interpreter calls int() on 1-element arrays, which numpy 2.4 rejects; the
 # test extra pins numpy<2.4, a GPU machine's own numpy may be newer.
 interpreter = pytest.mark.skipif(tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4),
