@@ -7,20 +7,20 @@ from .attention import register, tree_attention_forward
 from .cache import TreeCache
 from .decoder import TreeDecoder
 from .generate import (
-                       BeamSearchOutput,
-                       SampleOutput,
-                       Sampling,
-                       ThoughtNode,
-                       ThoughtTree,
-                       beam_search,
-                       sample,
+    BeamSearchOutput,
+    SampleOutput,
+    Sampling,
+    ThoughtNode,
+    ThoughtTree,
+    beam_search,
+    sample,
 )
 from .support import (
-                       ATTN_IMPLEMENTATION,
-                       UnsupportedModelFeature,
-                       check_model,
-                       enable,
-                       unsupported_features,
+    ATTN_IMPLEMENTATION,
+    UnsupportedModelFeature,
+    check_model,
+    enable,
+    unsupported_features,
 )
 
 register()
