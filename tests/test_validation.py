@@ -414,7 +414,7 @@ def test_the_c_abi_accepts_exactly_the_scales_python_accepts(head_dim):
     ("plan num_sms", lambda w: TreeAttentionPlan(w.alloc, w.ids, 4, num_sms=2.5), TypeError,
      ["num_sms must be an int, got float 2.5"]),
     ("alloc num_tokens", lambda w: w.alloc.alloc_branch(MAX_TOKENS + 1), ValueError,
-     [f"num_tokens must be <= {MAX_TOKENS}, got {MAX_TOKENS + 1}"]),
+     [f"num_tokens must be <= 252, got {MAX_TOKENS + 1}", "max_tokens = 252, the pool's 63"]),
     ("alloc_branches count", lambda w: w.alloc.alloc_branches(True, 3), TypeError,
      ["count must be an int, got bool True"]),
 ))
