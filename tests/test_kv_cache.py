@@ -73,6 +73,20 @@ def test_write_slots_rejects_bad_rows_and_changes_nothing(change, error):
     assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_write_slots_never_attaches_the_pools_to_autograd(device):
+    """K/V rows that require grad are copied as values: the pools stay plain tensors."""
+    k_pool, v_pool = _pools(torch.float16, device)
+    slots = torch.tensor([7, 2], device=device)
+    k, v = _new_rows(2, torch.float16, device)
+    k_ref, v_ref = _expected(k_pool, v_pool, slots, k, v)
+    k.requires_grad_(True)
+    kv_cache.write_slots(k_pool, v_pool, slots, k * 1, v.requires_grad_(True))
+    for pool in (k_pool, v_pool):
+        assert not pool.requires_grad and pool.grad_fn is None
+    assert torch.equal(k_pool.cpu(), k_ref.cpu()) and torch.equal(v_pool.cpu(), v_ref.cpu())
+
+
 def test_copy_blocks_copies_every_pool():
     pools = list(_pools(torch.float16))
     before = [p.clone() for p in pools]

@@ -1,7 +1,8 @@
 """Numerical edge cases: logits of magnitude 1e4 and more in fp16 and bf16 (no overflow to
-inf/NaN, split-K and tree merges included), head_dim 256, and one sequence of 32k+ tokens
-(GPU). Outputs are poisoned first and checked against the float64 reference within
-reference.TOLERANCE."""
+inf/NaN, split-K and tree merges included), head_dim 256, one sequence of 32k+ tokens (GPU),
+the largest accepted sm_scale (right, not inf or NaN), and NaN inputs (they propagate to the
+rows that read them; only an empty sequence gives zeros). Outputs are poisoned first and
+checked against the float64 reference within reference.TOLERANCE."""
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from flash_reasoning import (
     runtime,
     tree_attention,
 )
+from flash_reasoning.ops.checks import FLOAT16_MAX, max_scale
 from flash_reasoning.ops.paged_decode import decode_launches
 from flash_reasoning.planner import PlanOptions
 from flash_reasoning.tools.synthetic import paged_problem, random_kv
@@ -86,29 +88,33 @@ def assert_close(out, ref):
     assert err < reference.TOLERANCE[out.dtype], f"relative error {err}"
 
 
-def check_paged(p, splits: int, interpreted: bool) -> None:
+def check_paged(p, splits: int, interpreted: bool, sm_scale: float | None = None) -> None:
     """``splits`` > 1: the merge kernel combines the splits' partials."""
     args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)
     out = poisoned_like(p.q)
     device = p.q.device
     arch, sms = ("sm90", 4) if interpreted else (runtime.arch_of(device.index),
                                                  runtime.num_sms(device.index))
-    launches = decode_launches(*args, out, 1 / math.sqrt(p.q.shape[-1]), arch, sms,
-                               num_splits=splits)
+    scale = 1 / math.sqrt(p.q.shape[-1]) if sm_scale is None else sm_scale
+    launches = decode_launches(*args, out, scale, arch, sms, num_splits=splits)
     if interpreted:
         from aot.interpret import run_interpreted
         run_interpreted(launches)
     else:
         runtime.run(launches, device)
-    assert_close(out, reference.paged_decode(*args))
+    assert_close(out, reference.paged_decode(*args, sm_scale=sm_scale))
 
 
 def check_tree(logits: LargeLogits, interpreted: bool) -> None:
     """Chunks of 64 tokens: the root's partials are merged by the final kernel."""
     alloc, leaves = tree(logits)
-    q = logits.queries(len(leaves))
+    check_tree_plan(alloc, leaves, logits.queries(len(leaves)), interpreted)
+
+
+def check_tree_plan(alloc, leaves, q, interpreted: bool, sm_scale: float | None = None) -> None:
     kw = dict(num_sms=4, arch="sm90") if interpreted else {}
-    plan = TreeAttentionPlan(alloc, leaves, QO_HEADS, _options=PlanOptions(target_chunk=64, **kw))
+    plan = TreeAttentionPlan(alloc, leaves, QO_HEADS, sm_scale,
+                             _options=PlanOptions(target_chunk=64, **kw))
     assert plan.arrays.num_entries > 0
     out = poisoned_like(q)
     if interpreted:
@@ -116,7 +122,7 @@ def check_tree(logits: LargeLogits, interpreted: bool) -> None:
         run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
     else:
         plan.run(q, 0, out)
-    assert_close(out, reference.tree_attention(q, alloc, leaves))
+    assert_close(out, reference.tree_attention(q, alloc, leaves, sm_scale=sm_scale))
 
 
 # ---- CPU: the interpreted kernels and the PyTorch path ------------------------------------
@@ -158,6 +164,126 @@ def test_the_logits_are_as_large_as_claimed():
         assert 0.9 * spread < scores.std() < 1.1 * spread
 
 
+# ---- the largest accepted sm_scale: right, never inf or NaN ----------------------------------
+# max_scale(head_dim) keeps float32 scores of float16 inputs within half the float32 range. At
+# that scale random inputs give a hard maximum. Extreme inputs give the largest scores a
+# float16 product sum reaches, +-max_scale * head_dim * 65504**2 (* log2 e in the kernels): q
+# is 65504 everywhere, every key -65504 everywhere but the first of each sequence (+65504; the
+# signs swap for a negative scale), so the online softmax subtracts a maximum of about half the
+# float32 range from scores of minus that, and the answer is the first token's value. (Scores
+# tied at such magnitudes across partials would be merged to float32's resolution of their
+# LSE, far coarser than log(count): ties are kept inside one sequence's first token.)
+
+def extreme_keys(n: int, first: bool, sign: int, dtype, device) -> torch.Tensor:
+    """K rows of -sign * 65504 everywhere, the first +sign * 65504 when ``first``."""
+    rows = torch.full((n, KV_HEADS, 64), -sign * FLOAT16_MAX)
+    if first and n:
+        rows[0] = sign * FLOAT16_MAX
+    return rows.to(dtype).to(device)
+
+
+def scale_problems(extreme: bool, sign: int, dtype, device):
+    """(paged problem, allocator, leaves, tree queries) at head_dim 64: random N(0, 1) data, or
+    the extreme inputs above (values random)."""
+    gen = torch.Generator().manual_seed(0)
+    p = paged_problem([1, 37, 300], QO_HEADS, KV_HEADS, 64, dtype=dtype, device=device)
+    alloc = PhysicalKVAllocator(64, 16, KV_HEADS, 64, dtype=dtype, device=device)
+
+    def fill(node, layer, n):
+        k, v = random_kv(alloc, gen, n)
+        return (extreme_keys(n, node == 0, sign, dtype, device) if extreme else k), v
+    leaves = build_branches(alloc, from_levels([1, 4], [200, 30]), fill)
+    q = torch.randn(len(leaves), QO_HEADS, 64, generator=gen).to(dtype).to(device)
+    if extreme:
+        slots = p.k_pool.shape[0] * p.k_pool.shape[1]
+        k_pool = extreme_keys(slots, False, sign, dtype, device).view(p.k_pool.shape)
+        k_pool[p.block_tables[:, 0].long(), 0] = sign * FLOAT16_MAX
+        p.k_pool, p.q, q = k_pool, torch.full_like(p.q, FLOAT16_MAX), torch.full_like(q, FLOAT16_MAX)
+    return p, alloc, leaves, q
+
+
+SCALE_CASES = [pytest.param(dtype, False, id=f"random-{dtype}".replace("torch.", ""))
+               for dtype in DTYPES] + [pytest.param(torch.float16, True, id="extreme-float16")]
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("dtype, extreme", SCALE_CASES)
+def test_the_largest_scale_is_computed_right_torch_path(dtype, extreme, sign):
+    scale = sign * max_scale(64)
+    p, alloc, leaves, q = scale_problems(extreme, sign, dtype, "cpu")
+    args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)
+    assert_close(paged_decode(*args, scale, out=poisoned_like(p.q)),
+                 reference.paged_decode(*args, sm_scale=scale))
+    assert_close(tree_attention(q, alloc, leaves, out=poisoned_like(q), sm_scale=scale),
+                 reference.tree_attention(q, alloc, leaves, sm_scale=scale))
+
+
+@interpreter
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("dtype, extreme", SCALE_CASES)
+def test_the_largest_scale_is_computed_right_interpreted(dtype, extreme, sign):
+    scale = sign * max_scale(64)
+    p, alloc, leaves, q = scale_problems(extreme, sign, dtype, "cpu")
+    for splits in (1, 3):
+        check_paged(p, splits, interpreted=True, sm_scale=scale)
+    check_tree_plan(alloc, leaves, q, interpreted=True, sm_scale=scale)
+
+
+def test_flat_logits_of_1e8_are_normalised_torch_path():
+    """37 equal keys at logit 9.6e7 (float32's ulp there is 8, more than log(37)): the weights
+    are 1/37 each, as the kernels normalise them (by their sum, not by exp(-lse))."""
+    gen = torch.Generator().manual_seed(0)
+    alloc = PhysicalKVAllocator(8, 16, KV_HEADS, 64, device="cpu")
+    bid = alloc.alloc_branch(0).branch_id
+    k = torch.full((37, KV_HEADS, 64), 4000.0, dtype=torch.float16)
+    alloc.write(bid, 0, k, random_kv(alloc, gen, 37)[1])
+    q = torch.full((1, QO_HEADS, 64), 3000.0, dtype=torch.float16)  # q.k / 8 = 9.6e7
+    assert_close(tree_attention(q, alloc, [bid], out=poisoned_like(q)),
+                 reference.tree_attention(q, alloc, [bid]))
+
+
+# ---- NaN inputs propagate ---------------------------------------------------------------------
+
+def assert_same_nans_else_close(out, ref):
+    """NaN exactly where the float64 reference has NaN; the rest within tolerance."""
+    assert torch.equal(out.isnan(), ref.isnan()), "NaN in other places than the reference's"
+    finite = ~ref.isnan()
+    assert_close(out[finite], ref[finite])
+
+
+def test_nan_in_q_or_k_propagates_paged_decode_torch_path():
+    """Sequence 0 has a NaN query head, sequence 2 a NaN key (KV head 1, position 4: query
+    heads 4..7 read it), sequence 1 is empty (zeros), sequence 3 is clean."""
+    p = paged_problem([5, 0, 7, 9], QO_HEADS, KV_HEADS, 64)
+    p.q[0, 3, 10] = float("nan")
+    p.k_pool[int(p.block_tables[2, 0]), 4, 1, 0] = float("nan")
+    args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)
+    out, ref = paged_decode(*args, out=poisoned_like(p.q)), reference.paged_decode(*args)
+    assert ref[0, 3].isnan().all() and ref[2, 4:].isnan().all() and not ref[1].any()
+    assert int(ref.isnan().any(-1).sum()) == 5  # the NaN reaches those rows only
+    assert_same_nans_else_close(out, ref)
+
+
+def test_nan_in_q_or_k_propagates_tree_attention_torch_path():
+    """A NaN key in the shared root reaches every branch (their KV head 0 rows), a NaN query
+    head its own row; a root-only branch of length 0 reads zeros."""
+    gen = torch.Generator().manual_seed(0)
+    alloc = PhysicalKVAllocator(64, 16, KV_HEADS, 64, device="cpu")
+    leaves = build_branches(alloc, from_levels([1, 4], [40, 30]),
+                            lambda node, layer, n: random_kv(alloc, gen, n))
+    k, v = random_kv(alloc, gen, 1)
+    k[0, 0, 5] = float("nan")
+    alloc.write(leaves[0], 0, k, v, start=3)  # copy on write: only leaf 0 reads it
+    ids = leaves + [alloc.alloc_branch(0).branch_id]
+    q = torch.randn(len(ids), QO_HEADS, 64, generator=gen).half()
+    q[1, 6, 0] = float("nan")
+    ref = reference.tree_attention(q, alloc, ids)
+    assert ref[0, :4].isnan().all() and ref[1, 6].isnan().all() and not ref[-1].any()
+    assert int(ref.isnan().any(-1).sum()) == 5
+    plan = TreeAttentionPlan(alloc, ids, QO_HEADS, target_chunk=16)
+    assert_same_nans_else_close(plan.run(q, 0, poisoned_like(q)), ref)
+
+
 # ---- GPU --------------------------------------------------------------------------------------
 
 @gpu
@@ -194,3 +320,26 @@ def test_gpu_sequence_of_32k_tokens(dtype, head_dim):
     tables, lengths = alloc.block_tables(ids)
     assert_close(paged_decode(q, alloc.k_pools[0], alloc.v_pools[0], tables, lengths,
                               out=poisoned_like(q)), ref)
+
+
+@gpu
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("dtype, extreme", SCALE_CASES)
+def test_gpu_the_largest_scale_is_computed_right(dtype, extreme, sign):
+    scale = sign * max_scale(64)
+    p, alloc, leaves, q = scale_problems(extreme, sign, dtype, "cuda")
+    for splits in (1, 3):
+        check_paged(p, splits, interpreted=False, sm_scale=scale)
+    check_tree_plan(alloc, leaves, q, interpreted=False, sm_scale=scale)
+
+
+@gpu
+def test_gpu_nan_in_q_or_k_propagates():
+    """The kernels, as the PyTorch path: NaN where the reference has NaN, zeros for an empty
+    sequence."""
+    p = paged_problem([5, 0, 7, 9], QO_HEADS, KV_HEADS, 64, device="cuda")
+    p.q[0, 3, 10] = float("nan")
+    p.k_pool[int(p.block_tables[2, 0]), 4, 1, 0] = float("nan")
+    args = (p.q, p.k_pool, p.v_pool, p.block_tables, p.seq_lens)
+    assert_same_nans_else_close(paged_decode(*args, out=poisoned_like(p.q)),
+                                reference.paged_decode(*args))

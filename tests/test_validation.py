@@ -20,6 +20,7 @@ from flash_reasoning import (
     tree_attention,
 )
 from flash_reasoning.allocator import MAX_TOKENS, DecodeStep
+from flash_reasoning.ops.checks import check_scale, max_scale
 from flash_reasoning.planner import PlanOptions
 from flash_reasoning.tools.synthetic import PagedProblem, paged_problem, random_branches, random_kv
 
@@ -361,17 +362,60 @@ SCALE_ENTRY_POINTS = {
     "TreeAttentionPlan": lambda w, s: TreeAttentionPlan(w.alloc, w.ids, 4, sm_scale=s),
     "paged_decode": lambda w, s: decode(w, sm_scale=s),
 }
+ABOVE_BOUND = float(np.nextafter(max_scale(HEAD_DIM), np.inf))
 BAD_SCALES = [(float("nan"), ValueError, "got nan"), (float("inf"), ValueError, "got inf"),
               (-float("inf"), ValueError, "got -inf"), (1e39, ValueError, "got 1e+39"),
+              (1e38, ValueError, "got 1e+38"), (ABOVE_BOUND, ValueError, f"got {ABOVE_BOUND!r}"),
+              (-ABOVE_BOUND, ValueError, f"got {-ABOVE_BOUND!r}"),
               (True, TypeError, "got bool True"), ("0.5", TypeError, "got str '0.5'"),
               (torch.tensor(0.5), TypeError, "got Tensor")]
 
 
 @pytest.mark.parametrize("entry", sorted(SCALE_ENTRY_POINTS))
 @pytest.mark.parametrize("scale, error, given", BAD_SCALES, ids=lambda x: repr(x)[:12])
-def test_sm_scale_must_be_a_finite_real(world, entry, scale, error, given):
-    expected = "sm_scale must be finite" if error is ValueError else "sm_scale must be a real"
+def test_sm_scale_must_be_a_finite_real_within_the_bound(world, entry, scale, error, given):
+    expected = ("sm_scale must be finite and at most 4.29457e+26 in magnitude for head_dim 64"
+                if error is ValueError else "sm_scale must be a real")
     rejected(world, lambda w: SCALE_ENTRY_POINTS[entry](w, scale), error, [expected, given])
+
+
+@pytest.mark.parametrize("entry", sorted(SCALE_ENTRY_POINTS))
+@pytest.mark.parametrize("scale", [max_scale(HEAD_DIM), -max_scale(HEAD_DIM), 0.0, -0.3])
+def test_scales_within_the_bound_are_accepted(world, entry, scale):
+    """Zero (uniform weights) and negative scales too; test_numerics checks the answers."""
+    assert SCALE_ENTRY_POINTS[entry](world, scale) is not None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_the_c_abi_accepts_exactly_the_scales_python_accepts(head_dim):
+    """The C ABI's float sm_scale (0: the default) against check_scale: the largest float32
+    within the bound and its negation pass both, the next float32 above fails both."""
+    from test_capi import FR_INVALID_ARGUMENT, FR_OK, CApi, small_problem
+    api = CApi()
+    context = api.host_context()
+    try:
+        inside = float(np.float32(max_scale(head_dim)))
+        if inside > max_scale(head_dim):
+            inside = float(np.nextafter(np.float32(inside), np.float32(0)))
+        outside = float(np.nextafter(np.float32(inside), np.float32(np.inf)))
+        for scale, accepted in [(inside, True), (-inside, True), (-1.0, True), (1e-30, True),
+                                (outside, False), (-outside, False), (float("nan"), False)]:
+            problem = small_problem()
+            problem.shape.update(head_dim=head_dim, sm_scale=scale)
+            status, message, plan = api.plan(context, problem)
+            assert status == (FR_OK if accepted else FR_INVALID_ARGUMENT), (scale, message)
+            if plan is not None:
+                api.lib.frPlanDestroy(plan)
+            else:
+                assert "shape.sm_scale must be finite and at most" in message
+                assert f"for head_dim {head_dim}" in message
+            try:
+                check_scale(scale, head_dim)
+                assert accepted, scale
+            except ValueError:
+                assert not accepted, scale
+    finally:
+        api.lib.frContextDestroy(context)
 
 
 @pytest.mark.parametrize("call, error, fragments", cases(
@@ -382,7 +426,7 @@ def test_sm_scale_must_be_a_finite_real(world, entry, scale, error, given):
                                                  _options=PlanOptions(num_sms=2.5)), TypeError,
      ["num_sms must be an int, got float 2.5"]),
     ("alloc num_tokens", lambda w: w.alloc.alloc_branch(MAX_TOKENS + 1), ValueError,
-     [f"num_tokens must be <= {MAX_TOKENS}, got {MAX_TOKENS + 1}"]),
+     [f"num_tokens must be <= 252, got {MAX_TOKENS + 1}", "max_tokens = 252, the pool's 63"]),
     ("alloc_branches count", lambda w: w.alloc.alloc_branches(True, 3), TypeError,
      ["count must be an int, got bool True"]),
 ))

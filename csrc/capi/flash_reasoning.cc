@@ -83,9 +83,7 @@ fr::Status to_shape(const frAttentionShape* in, fr::AttentionShape* out) {
                                           : "frDtype " + std::to_string(in->dtype);
   out->block_size = in->block_size;
   out->num_blocks = in->num_blocks;
-  // The C ABI's 0 is the default scale; the core takes the scale itself.
-  if (!std::isfinite(in->sm_scale) || in->sm_scale < 0)
-    return invalid("shape.sm_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got " + std::to_string(in->sm_scale));
+  // The C ABI's 0 is the default scale, 1/sqrt(head_dim); the core takes the scale itself.
   out->sm_scale = in->sm_scale != 0 || in->head_dim < 1 ? in->sm_scale : 1.0 / std::sqrt(double(in->head_dim));
   return fr::Status::Ok();
 }

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <iomanip>
+#include <sstream>
 #include <set>
 
 #include "util/int_math.h"
@@ -24,6 +26,16 @@ std::string compiled_head_dims(const Context& ctx, const std::string& family, co
   return list.empty() ? "none" : list;
 }
 
+// The kernels compute base-2 scores (q . k) * (sm_scale * log2 e) in float32 from float16 or bfloat16
+// q and K. A float16 product sum is at most head_dim * 65504^2 in magnitude; this bound keeps every
+// such score within half the float32 range, so the scores and their differences (the online softmax
+// subtracts the running maximum) stay finite. Python's ops.checks.max_scale computes the same double
+// in the same order: both front ends accept exactly the same scales.
+double max_scale(int64_t head_dim) {
+  const double kFloat32Max = 3.4028234663852886e38, kFloat16Max = 65504.0, kLog2E = 1.4426950408889634;
+  return kFloat32Max / (2.0 * kLog2E * double(head_dim) * kFloat16Max * kFloat16Max);
+}
+
 }  // namespace
 
 double AttentionShape::scale_log2() const {
@@ -38,8 +50,14 @@ Status check_shape_fields(const AttentionShape& s, bool kernel_dtype) {
   if (s.head_dim < 1) return bad("head_dim", ">= 1", s.head_dim);
   if (s.block_size < 1) return bad("block_size", ">= 1", s.block_size);
   if (s.num_blocks < 1) return bad("num_blocks", ">= 1", s.num_blocks);
-  if (!std::isfinite(s.sm_scale))
-    return Status::Error(Code::kInvalidArgument, "shape.sm_scale must be finite, got " + std::to_string(s.sm_scale));
+  if (!(std::fabs(s.sm_scale) <= max_scale(s.head_dim))) {  // NaN fails too
+    std::ostringstream msg;
+    msg << "shape.sm_scale must be finite and at most " << std::setprecision(6) << max_scale(s.head_dim)
+        << " in magnitude for head_dim " << s.head_dim
+        << " (float32 scores q.k * sm_scale * log2(e) of float16 inputs must not overflow), got "
+        << std::setprecision(9) << s.sm_scale;
+    return Status::Error(Code::kInvalidArgument, msg.str());
+  }
   if (kernel_dtype && s.dtype != "float16" && s.dtype != "bfloat16")
     return Status::Error(Code::kInvalidArgument, "shape.dtype must be FR_FLOAT16 or FR_BFLOAT16, got " + s.dtype);
   return Status::Ok();

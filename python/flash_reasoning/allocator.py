@@ -4,6 +4,9 @@ See :class:`PhysicalKVAllocator` and ``docs/allocator.md``.
 """
 from __future__ import annotations
 
+import functools
+import operator
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -16,8 +19,13 @@ from .segment_tree import SegmentTree
 
 #: The reserved all-zero, read-only block backing every never-written position.
 ZERO_BLOCK = 0
-#: The longest branch: the kernels hold lengths and positions in int32.
+#: The longest branch any pool allows: the kernels hold lengths and positions in int32. An
+#: allocator's own bound, :attr:`PhysicalKVAllocator.max_tokens`, is also at most what its pool
+#: stores.
 MAX_TOKENS = 2**31 - 1
+#: The most blocks a pool may have: block tables are int32.
+MAX_BLOCKS = 2**31 - 1
+_INT64_MAX = 2**63 - 1
 
 
 class PoolExhausted(RuntimeError):
@@ -39,6 +47,15 @@ class UnknownBranch(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError would print only the repr of the id
         return f"branch_id {self.branch_id} is not a live branch (unknown, freed or pruned)"
+
+
+def _locked(method):
+    """Runs ``method`` holding the allocator's lock (see :class:`PhysicalKVAllocator`)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class Branch:
@@ -73,8 +90,10 @@ class DecodeStep:
 
     ``positions[i]`` is the token position reserved in ``branch_ids[i]``; ``slots`` (int64,
     on the pool device) the flat pool slots :meth:`~PhysicalKVAllocator.append` writes;
-    ``rows`` the branches' table rows (valid while ``epoch`` is the allocator's, and only in
-    ``allocator``: a step of another would write its slots).
+    ``rows`` the branches' table rows; ``epoch`` the allocator's when it was reserved. Valid
+    only in ``allocator`` (a step of another would write its slots), until one of its
+    branches is forked from (the fork would share the step's blocks), freed or pruned (its
+    blocks recycled).
     """
     branch_ids: np.ndarray
     positions: np.ndarray
@@ -146,31 +165,54 @@ class PhysicalKVAllocator:
     over the rest of a block that holds data beyond its length (a sibling's, inherited by
     the copy), that rest is zeroed first.
 
-    **All-or-nothing.** Every call validates and computes the blocks it needs before changing
-    anything: bad input raises ``ValueError``/``TypeError``/:class:`UnknownBranch`, too few
-    free blocks :class:`PoolExhausted`, and the state is then exactly as before.
+    **All-or-nothing.** Every call validates its input, counts the blocks it needs and reserves
+    the host memory it needs before changing anything: bad input raises
+    ``ValueError``/``TypeError``/:class:`UnknownBranch`, too few free blocks
+    :class:`PoolExhausted`, too little host memory ``MemoryError``, and the state is then
+    exactly as before. A call that changes nothing (``alloc_branches(0, ...)``, ``reserve([])``,
+    an empty write) leaves ``tree_version`` and ``table_version`` as they were.
+
+    **Limits.** A branch holds at most :attr:`max_tokens` tokens, ``min(num_blocks - 1,
+    MAX_TOKENS // block_size) * block_size``: its positions lie in distinct slots of the pool's
+    data blocks, and lengths are int32 in the kernels. Every growth checks it (``alloc_branch``,
+    ``write``, ``reserve``/``append``); so a branch's row of the host table mirror (8 bytes per
+    block of its length) costs at most 8 bytes per pool block, as the refcounts do.
+
+    **Threads.** An allocator and its plans are safe to use from several threads: every public
+    method holds the allocator's lock (a reentrant ``threading.RLock``, ``_lock``) while it reads
+    or changes host-side state, so each call sees and leaves a consistent state. Calls are
+    serialised, not parallel; a plan built by one thread goes stale (``StalePlan``) when another
+    forks, frees, prunes or overwrites, as it would in one thread. ``host_tables`` returns a view
+    that stays consistent only while the caller holds ``_lock``.
 
     **Lengths.** ``write(branch, layer, k, v, start)`` writes positions
     ``start..start+n-1`` (``start <= length``, no holes) and grows the branch to cover them;
     the other layers then write the same span. A decode step is ``step = reserve(ids)`` (one
     vectorised call: copy-on-write, new blocks, every length += 1) followed by
     ``append(step, layer, k, v)`` once per layer (one ``write_slots`` launch each). With one
-    layer, ``append(ids, 0, k, v)`` does both. A step stays valid until the next
-    ``alloc_branch``, ``free_branch`` or ``prune`` (they may share or recycle its blocks).
+    layer, ``append(ids, 0, k, v)`` does both. A step stays valid until one of its branches
+    is forked from, freed or pruned (that may share or recycle its blocks); other branches'
+    forks and frees (another thread's, say) leave it valid.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  num_layers: int = 1, dtype: torch.dtype = torch.float16,
                  device: str | torch.device = "cuda") -> None:
-        self.num_blocks = as_int("num_blocks", num_blocks, low=1)
-        self.block_size = as_int("block_size", block_size, low=1)
+        self.num_blocks = as_int("num_blocks", num_blocks, low=1, high=MAX_BLOCKS)
+        self.block_size = as_int("block_size", block_size, low=1, high=MAX_TOKENS)
         self.num_kv_heads = as_int("num_kv_heads", num_kv_heads, low=1)
         self.head_dim = as_int("head_dim", head_dim, low=1)
         self.num_layers = as_int("num_layers", num_layers, low=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        if torch.device(device).type == "cuda":  # the kernels take 16-bit words
+        device = _parse_device(device)
+        if device.type == "cuda":  # the kernels take 16-bit words
             check_compiled("the allocator", dtype)
+            _check_cuda_available(device)
+        #: The longest branch: see "Limits" above.
+        self.max_tokens = min(self.num_blocks - 1, MAX_TOKENS // self.block_size) * self.block_size
+        self._max_columns = self.max_tokens // self.block_size
+        self._lock = threading.RLock()
         kv = torch.empty((self.num_layers, 2, self.num_blocks, self.block_size,
                           self.num_kv_heads, self.head_dim), dtype=dtype, device=device)
         kv[:, :, ZERO_BLOCK].zero_()
@@ -200,6 +242,9 @@ class PhysicalKVAllocator:
         self._live_parent: dict[int, int | None] = {}
         self._live_children: dict[int, set[int]] = {}
         self._epoch = 0          # bumped by calls that may share or recycle blocks
+        # Per table row, the _epoch at which its branch was last forked from, freed or
+        # created: a decode step is stale only where one of its rows changed after it.
+        self._row_epoch = np.zeros(16, np.int64)
         self._table_epoch = 0    # bumped when any table entry changes
         self._length_epoch = 0   # bumped when any length changes
         self._overwrites = 0     # bumped by writes over tokens a branch already had
@@ -211,13 +256,16 @@ class PhysicalKVAllocator:
     def bytes_per_token_per_layer(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * self.k_pools[0].element_size()
 
+    @_locked
     def is_alive(self, branch_id: int) -> bool:
         return branch_id in self._branches
 
+    @_locked
     def branch(self, branch_id: int) -> Branch:
         self._row(branch_id)
-        return self._branches[branch_id]
+        return self._branches[int(branch_id)]
 
+    @_locked
     def length(self, branch_id: int) -> int:
         return int(self._lengths[self._row(branch_id)])
 
@@ -226,16 +274,20 @@ class PhysicalKVAllocator:
         """Changes whenever a segment tree may change other than by branches growing
         (alloc, free, prune, overwriting tokens): a plan built at one version is stale at
         another. ``reserve``/``append`` and writes that only extend branches keep it."""
-        return self._epoch, self._overwrites
+        with self._lock:
+            return self._epoch, self._overwrites
 
     @property
     def table_version(self) -> tuple[int, int]:
         """Changes whenever a block table entry or a length changes."""
-        return self._table_epoch, self._length_epoch
+        with self._lock:
+            return self._table_epoch, self._length_epoch
 
+    @_locked
     def live_branch_ids(self) -> list[int]:
         return sorted(self._branches)
 
+    @_locked
     def block_tables(self, branch_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(tables, lengths)`` for these branches, on the pool device: int32
         ``[n, max_blocks]`` (``max_blocks`` covers the longest; short rows are padded with
@@ -257,15 +309,18 @@ class PhysicalKVAllocator:
         self._cache = (key, self._table_epoch, tables, self._length_epoch, lengths_dev)
         return tables, lengths_dev
 
+    @_locked
     def host_tables(self, branch_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """The host's copy of every block table (int64 ``[rows, columns]``, a read-only view,
         valid until the next call that changes a table) and each branch's row in it: what
-        planning reads in place, with no copy and no device transfer."""
+        planning reads in place, with no copy and no device transfer. Another thread's call
+        may change it: hold ``_lock`` while reading it."""
         _, rows = self._rows(branch_ids)
         view = self._tables.view()
         view.flags.writeable = False
         return view, rows
 
+    @_locked
     def segment_tree(self, branch_ids: Sequence[int]) -> SegmentTree:
         """The tree of token ranges these live branches share (see :class:`SegmentTree`).
 
@@ -286,6 +341,7 @@ class PhysicalKVAllocator:
         return SegmentTree.from_keys(ids, lengths, breaks,
                                      self._position_keys(ids, rows, lengths, breaks))
 
+    @_locked
     def memory_report(self) -> MemoryReport:
         rows = self._row_of[np.asarray(sorted(self._branches), np.int64)]
         lengths = self._lengths[rows]
@@ -312,32 +368,37 @@ class PhysicalKVAllocator:
 
     # ---- branches ------------------------------------------------------------------------
 
+    @_locked
     def alloc_branch(self, num_tokens: int, parent_branch_id: int | None = None,
                      fork_position: int | None = None) -> Branch:
         """A new branch of total length ``num_tokens``: a root (all positions read zero until
         written), or a fork of ``parent_branch_id`` sharing its positions below
         ``fork_position`` (default: the parent's length; ``0 <= fork_position <= parent
-        length <= ...``, ``num_tokens >= fork_position``); positions from the fork on read
+        length``, ``fork_position <= num_tokens <= max_tokens``); positions from the fork on read
         zero until written. Uses no data block, except one when the fork lies inside a block
         that holds parent data beyond the fork and ``num_tokens > fork_position``."""
         return self._alloc(1, num_tokens, parent_branch_id, fork_position)[0]
 
+    @_locked
     def alloc_branches(self, count: int, num_tokens: int, parent_branch_id: int | None = None,
                        fork_position: int | None = None) -> list[Branch]:
         """``count`` new branches, each exactly what :meth:`alloc_branch` with these
         arguments makes (siblings: parallel sampling, a beam's expansion), in one vectorised
-        call with consecutive ids; all-or-nothing."""
+        call with consecutive ids; all-or-nothing. ``count`` 0 validates the arguments and
+        changes nothing."""
         return self._alloc(as_int("count", count, low=0), num_tokens, parent_branch_id,
                            fork_position)
 
     def _alloc(self, count: int, num_tokens: int, parent_branch_id: int | None,
                fork_position: int | None) -> list[Branch]:
-        num_tokens = as_int("num_tokens", num_tokens, low=0, high=MAX_TOKENS)
+        num_tokens = as_int("num_tokens", num_tokens, low=0)
+        self._check_limit("num_tokens", num_tokens)
         if parent_branch_id is None:
             if fork_position is not None:
                 raise ValueError(f"fork_position={fork_position} needs a parent_branch_id")
-            return self._new_branches(count, num_tokens, None, 0)[0]
-        parent_row = self._row(parent_branch_id)
+            return self._new_branches(count, num_tokens, None, 0)[0] if count else []
+        parent_branch_id = self._checked_id(parent_branch_id)
+        parent_row = int(self._row_of[parent_branch_id])
         parent_length = int(self._lengths[parent_row])
         position = parent_length if fork_position is None else as_int(
             "fork_position", fork_position, low=0)
@@ -354,6 +415,8 @@ class PhysicalKVAllocator:
             raise PoolExhausted(count, self._free_top, f"forking branch {parent_branch_id} "
                                 f"{count} times at {position}, inside a block holding data "
                                 f"beyond it,")
+        if count == 0:
+            return []
         branches, rows = self._new_branches(count, num_tokens, parent_branch_id, position)
         shared = self._tables[parent_row, :-(-position // self.block_size)]
         self._tables[rows, :shared.size] = shared
@@ -364,11 +427,13 @@ class PhysicalKVAllocator:
             self._zero_tails(blocks, np.full(count, offset))
         return branches
 
+    @_locked
     def free_branch(self, branch_id: int) -> None:
         """Drop the branch; its blocks lose a reference and return to the free list at 0.
         Branches forked from it stay valid (they hold their own references)."""
         self._release([self._checked_id(branch_id)])
 
+    @_locked
     def prune(self, branch_id: int) -> list[int]:
         """Free the branch and every live branch forked from it or from its descendants
         (also through freed ones); returns the freed ids."""
@@ -382,11 +447,13 @@ class PhysicalKVAllocator:
 
     # ---- writes --------------------------------------------------------------------------
 
+    @_locked
     def write(self, branch_id: int, layer: int, k: torch.Tensor, v: torch.Tensor,
               start: int = 0) -> None:
         """Write ``k``/``v`` (``[n, num_kv_heads, head_dim]``) at positions
         ``start..start+n-1`` of the branch in ``layer``; ``start <= length`` and the branch
-        grows to ``start + n`` when that is longer. Shared and zero blocks are copied first."""
+        grows to ``start + n`` when that is longer (at most :attr:`max_tokens`). Shared and zero
+        blocks are copied first."""
         row = self._row(branch_id)
         check_layer(layer, self.num_layers)
         self._check_kv(k, v, None)
@@ -396,11 +463,14 @@ class PhysicalKVAllocator:
             raise ValueError(f"start must lie in [0, {length}] (branch {branch_id}'s length; "
                              f"writes leave no holes), got {start}")
         n = k.shape[0]
+        end = start + n
+        if end > self.max_tokens:
+            raise ValueError(f"writing {n} tokens at {start} would grow branch {branch_id} to "
+                             f"{end} tokens; {self._limit_reason()}")
         if n == 0:
             return
-        end = start + n
         first, last = start // self.block_size, (end - 1) // self.block_size
-        self._ensure_columns(last + 1)
+        self._reserve_host(columns=last + 1, what=f"writing {n} tokens at {start}")
         cols = np.arange(first, last + 1)
         blocks = self._materialise(np.full(cols.size, row), cols,
                                    f"writing {n} tokens at {start} of branch {branch_id}")
@@ -421,25 +491,35 @@ class PhysicalKVAllocator:
     def reserve(self, branch_ids: Sequence[int] | DecodeStep) -> DecodeStep:
         """Reserve position ``length`` in each branch for one decode step and advance every
         length by one; vectorised over branches, all-or-nothing. The reserved positions read
-        zero until :meth:`append` writes them (per layer).
+        zero until :meth:`append` writes them (per layer). A branch already holding
+        :attr:`max_tokens` tokens is refused (``ValueError``).
 
         Passing the previous step (``step = reserve(step)``) reserves the next token of the
         same branches without converting and re-checking their ids: the decode loop's form."""
-        if isinstance(branch_ids, DecodeStep):
-            self._check_current(branch_ids)
-            ids, rows = branch_ids.branch_ids, branch_ids.rows
-        else:
-            ids, rows = self._distinct_rows(branch_ids)
-        positions = self._lengths[rows]
-        cols, offsets = np.divmod(positions, self.block_size)
-        if rows.size:
-            self._ensure_columns(int(cols.max()) + 1)
-        blocks = self._materialise(rows, cols, f"a decode step of {rows.size} branches")
-        self._zero_tails(blocks, offsets)
-        self._fill[blocks] = offsets + 1  # _zero_tails left every fill <= its offset
-        self._set_lengths(rows, positions + 1)
-        return DecodeStep(ids, positions, self._upload(blocks * self.block_size + offsets),
-                          self._epoch, rows, self)
+        with self._lock:
+            if isinstance(branch_ids, DecodeStep):
+                self._check_current(branch_ids)
+                ids, rows = branch_ids.branch_ids, branch_ids.rows
+            else:
+                ids, rows = self._distinct_rows(branch_ids)
+            if rows.size == 0:  # changes nothing
+                return DecodeStep(ids, ids.copy(), self._upload(ids), self._epoch, rows, self)
+            positions = self._lengths[rows]
+            cols, offsets = np.divmod(positions, self.block_size)
+            top = int(cols.max())
+            if top >= self._max_columns:  # max_tokens is a whole number of blocks
+                full = int(ids[np.argmax(positions >= self.max_tokens)])
+                raise ValueError(f"branch {full} holds {self.max_tokens} tokens: a decode step "
+                                 f"cannot grow it; {self._limit_reason()}")
+            what = f"a decode step of {rows.size} branches"
+            if top >= self._tables.shape[1]:
+                self._reserve_host(columns=top + 1, what=what)
+            blocks = self._materialise(rows, cols, what)
+            self._zero_tails(blocks, offsets)
+            self._fill[blocks] = offsets + 1  # _zero_tails left every fill <= its offset
+            self._set_lengths(rows, positions + 1)
+            return DecodeStep(ids, positions, self._upload(blocks * self.block_size + offsets),
+                              self._epoch, rows, self)
 
     def append(self, step: DecodeStep | Sequence[int], layer: int, k: torch.Tensor,
                v: torch.Tensor) -> DecodeStep:
@@ -448,20 +528,22 @@ class PhysicalKVAllocator:
 
         ``step`` may be a list of branch ids when ``num_layers == 1``: then this is
         ``reserve`` plus the write. Returns the step."""
-        n = (step.branch_ids if isinstance(step, DecodeStep) else _id_array(step)).size
-        check_layer(layer, self.num_layers)
-        self._check_kv(k, v, n)
-        if isinstance(step, DecodeStep):
-            self._check_current(step)
-        elif self.num_layers != 1:
-            raise ValueError(f"append(branch_ids, ...) is the one-layer form; with "
-                             f"num_layers={self.num_layers} call step = reserve(branch_ids) "
-                             f"once per decode step, then append(step, layer, k, v) per layer")
-        else:
-            step = self.reserve(step)
-        kv_cache.write_slots(self.k_pools[layer], self.v_pools[layer], step.slots, k, v,
-                             validate=False)  # checked by _check_kv above
-        return step
+        with self._lock:
+            n = (step.branch_ids if isinstance(step, DecodeStep) else _id_array(step)).size
+            check_layer(layer, self.num_layers)
+            self._check_kv(k, v, n)
+            if isinstance(step, DecodeStep):
+                self._check_current(step)
+            elif self.num_layers != 1:
+                raise ValueError(f"append(branch_ids, ...) is the one-layer form; with "
+                                 f"num_layers={self.num_layers} call step = "
+                                 f"reserve(branch_ids) once per decode step, then "
+                                 f"append(step, layer, k, v) per layer")
+            else:
+                step = self.reserve(step)
+            kv_cache.write_slots(self.k_pools[layer], self.v_pools[layer], step.slots, k, v,
+                                 validate=False)  # checked by _check_kv above
+            return step
 
     # ---- internals: blocks ---------------------------------------------------------------
 
@@ -480,8 +562,9 @@ class PhysicalKVAllocator:
             raise PoolExhausted(needed, self._free_top, what)
         src = blocks[copy]
         dst = self._free[self._free_top - needed:self._free_top][::-1].copy()
-        self._free_top -= needed
+        # The copy first: it writes only free blocks, so a failing copy changes no state.
         kv_cache.copy_blocks(self._pools, self._upload(src), self._upload(dst))
+        self._free_top -= needed
         np.subtract.at(self._refcount, src[src != ZERO_BLOCK], 1)
         self._refcount[dst] = 1
         self._fill[dst] = self._fill[src]
@@ -521,14 +604,14 @@ class PhysicalKVAllocator:
 
     def _new_branches(self, count: int, num_tokens: int, parent_id: int | None,
                       position: int) -> tuple[list[Branch], np.ndarray]:
-        """Register ``count`` branches with consecutive ids; returns them and their rows."""
+        """Register ``count`` (>= 1) branches with consecutive ids; returns them and their rows.
+        Reserves the host memory first: nothing below the reservation can fail."""
         first = self._next_id
+        self._reserve_host(rows=count, columns=-(-num_tokens // self.block_size),
+                           ids=first + count, what=f"{count} new branches of {num_tokens} tokens")
         self._next_id += count
         rows = self._take_rows(count)
-        while self._next_id > self._row_of.size:
-            self._row_of = np.concatenate([self._row_of, np.full(self._row_of.size, -1)])
         self._row_of[first:self._next_id] = rows
-        self._ensure_columns(-(-num_tokens // self.block_size))
         self._set_lengths(rows, num_tokens)
         inherited = () if parent_id is None else tuple(
             seg for seg in self._lineage[parent_id] if seg[0] < position)
@@ -542,6 +625,9 @@ class PhysicalKVAllocator:
         if parent_id is not None:
             self._live_children[parent_id].update(range(first, self._next_id))
         self._epoch += 1
+        self._row_epoch[rows] = self._epoch
+        if parent_id is not None:  # a step of the parent may now write a shared block
+            self._row_epoch[self._row_of[parent_id]] = self._epoch
         return branches, rows
 
     def _release(self, ids: list[int]) -> None:
@@ -562,6 +648,7 @@ class PhysicalKVAllocator:
             self._unlink(bid)
         self._table_epoch += 1
         self._epoch += 1
+        self._row_epoch[rows] = self._epoch  # a step of these rows would write freed blocks
 
     def _unlink(self, bid: int) -> None:
         """Forget a dead branch; its live children move to its nearest live ancestor."""
@@ -574,28 +661,54 @@ class PhysicalKVAllocator:
         del self._branches[bid], self._lineage[bid]
 
     def _set_lengths(self, rows: np.ndarray | int, lengths: np.ndarray | int) -> None:
+        """Every caller changes at least one length."""
         self._lengths[rows] = lengths
         self._length_epoch += 1
 
     def _take_rows(self, count: int) -> np.ndarray:
-        """``count`` free table rows, lowest first; the table doubles as needed."""
-        while self._free_rows_top < count:
-            old, top = self._lengths.size, self._free_rows_top
-            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
-            self._lengths = np.concatenate([self._lengths, np.zeros_like(self._lengths)])
-            # The new rows go under the stack's current entries: low rows are taken first.
-            self._free_rows = np.concatenate([np.arange(2 * old - 1, old - 1, -1),
-                                              self._free_rows[:top], np.zeros(old, np.int64)])
-            self._free_rows_top = old + top
+        """``count`` free table rows, lowest first (reserved by :meth:`_reserve_host`)."""
         self._free_rows_top -= count
         return self._free_rows[self._free_rows_top:self._free_rows_top + count][::-1].copy()
 
-    def _ensure_columns(self, needed: int) -> None:
-        have = self._tables.shape[1]
-        if needed > have:
-            grown = np.zeros((self._tables.shape[0], max(needed, 2 * have)), np.int64)
-            grown[:, :have] = self._tables
-            self._tables = grown
+    def _reserve_host(self, rows: int = 0, columns: int = 0, ids: int = 0,
+                      what: str = "") -> None:
+        """Grow the host mirror to hold ``rows`` more branches, ``columns`` table columns and
+        branch ids below ``ids``. Capacity only (new rows and columns are the zero block, new
+        ids unknown): every new array is allocated before any is installed, so running out of
+        host memory raises ``MemoryError`` with nothing changed."""
+        height, width = self._tables.shape
+        new_height, new_width, new_ids = height, width, self._row_of.size
+        while new_height - height + self._free_rows_top < rows:
+            new_height *= 2
+        if columns > width:  # columns <= _max_columns: the callers checked the limit
+            new_width = max(columns, min(2 * width, self._max_columns))
+        while new_ids < ids:
+            new_ids *= 2
+        grown = {}
+        try:
+            if (new_height, new_width) != (height, width):
+                grown["_tables"] = np.zeros((new_height, new_width), np.int64)
+                grown["_tables"][:height, :width] = self._tables
+            if new_height > height:
+                for name in ("_lengths", "_row_epoch"):
+                    grown[name] = np.zeros(new_height, np.int64)
+                    grown[name][:height] = getattr(self, name)
+                # The new rows go under the stack's current entries: low rows are taken first.
+                added, top = new_height - height, self._free_rows_top
+                grown["_free_rows"] = np.zeros(new_height, np.int64)
+                grown["_free_rows"][:added] = np.arange(new_height - 1, height - 1, -1)
+                grown["_free_rows"][added:added + top] = self._free_rows[:top]
+                grown["_free_rows_top"] = added + top
+            if new_ids > self._row_of.size:
+                grown["_row_of"] = np.full(new_ids, -1, np.int64)
+                grown["_row_of"][:self._row_of.size] = self._row_of
+        except MemoryError:
+            raise MemoryError(f"{what}: growing the allocator's host tables to {new_height} "
+                              f"rows x {new_width} columns and {new_ids} ids ran out of host "
+                              f"memory ({8 * new_height * new_width:,} bytes for the block "
+                              f"tables); nothing was changed") from None
+        for name, value in grown.items():
+            setattr(self, name, value)
 
     def _breakpoints(self, ids: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Positions where some branch's block, ancestor or liveness may change."""
@@ -628,7 +741,20 @@ class PhysicalKVAllocator:
 
     def _checked_id(self, branch_id: int) -> int:
         self._row(branch_id)
-        return int(branch_id)
+        return operator.index(branch_id)
+
+    def _check_limit(self, name: str, tokens: int) -> None:
+        if tokens > self.max_tokens:
+            raise ValueError(f"{name} must be <= {self.max_tokens}, got {tokens}; "
+                             f"{self._limit_reason()}")
+
+    def _limit_reason(self) -> str:
+        """Why a branch holds at most max_tokens tokens."""
+        if self.max_tokens == (self.num_blocks - 1) * self.block_size:
+            return (f"a branch holds at most max_tokens = {self.max_tokens}, the pool's "
+                    f"{self.num_blocks - 1} data blocks of {self.block_size} tokens")
+        return (f"a branch holds at most max_tokens = {self.max_tokens}, the whole blocks of "
+                f"{self.block_size} tokens within the kernels' int32 lengths (MAX_TOKENS)")
 
     def _row(self, branch_id: int) -> int:
         bid = as_int("branch_id", branch_id)
@@ -663,9 +789,10 @@ class PhysicalKVAllocator:
         if step.allocator is not self:
             raise ValueError("step was reserved by another allocator; reserve one from this "
                              "allocator's branch ids")
-        if step.epoch != self._epoch:
-            raise ValueError("step is stale: alloc_branch, free_branch or prune ran since "
-                             "reserve(); reserve a new step from branch ids")
+        # Forks and frees of other branches (another thread's, say) leave the step valid.
+        if step.epoch != self._epoch and self._row_epoch[step.rows].max(initial=0) > step.epoch:
+            raise ValueError("step is stale: one of its branches was forked from, freed or "
+                             "pruned since reserve(); reserve a new step from branch ids")
 
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, n: int | None) -> None:
         rows = k.shape[0] if n is None and isinstance(k, torch.Tensor) and k.dim() else n
@@ -679,12 +806,58 @@ class PhysicalKVAllocator:
 
 
 def _id_array(branch_ids: Sequence[int]) -> np.ndarray:
-    """Branch ids as a 1-D int64 array; floats and bools are refused, not truncated."""
+    """Branch ids as a 1-D int64 array; floats and bools are refused, not truncated. An int
+    beyond int64 (a uint64 id, a Python int) names no branch: UnknownBranch with its value."""
     ids = np.asarray(branch_ids)
     if ids.size == 0:
         ids = ids.astype(np.int64)
+    if ids.ndim == 1 and ids.dtype.kind in "fO" and not isinstance(branch_ids, np.ndarray):
+        ids = _python_ids(branch_ids, ids)  # ints that numpy could not hold as int64/uint64
     if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise TypeError(f"branch_ids must be a 1-D sequence of ints, got "
-                        f"{type(branch_ids).__name__} of dtype {ids.dtype}, "
-                        f"shape {ids.shape}")
+        raise TypeError(_not_ids(branch_ids, ids))
+    if ids.dtype.kind == "u" and ids.dtype.itemsize == 8 and ids.size and ids.max() > _INT64_MAX:
+        raise UnknownBranch(int(ids[np.argmax(ids > _INT64_MAX)]))
     return ids.astype(np.int64, copy=False)
+
+
+def _python_ids(branch_ids: Sequence, ids: np.ndarray) -> np.ndarray:
+    """A sequence numpy stored as float or object: ints of any size (-1 and 2**64 - 1 make
+    float64), else a TypeError; an int beyond int64 raises UnknownBranch."""
+    values = []
+    for value in branch_ids:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError(_not_ids(branch_ids, ids))
+        try:
+            values.append(operator.index(value))
+        except TypeError:
+            raise TypeError(_not_ids(branch_ids, ids)) from None
+    for value in values:
+        if not -_INT64_MAX - 1 <= value <= _INT64_MAX:
+            raise UnknownBranch(value)
+    return np.array(values, np.int64)
+
+
+def _not_ids(branch_ids, ids: np.ndarray) -> str:
+    return (f"branch_ids must be a 1-D sequence of ints, got {type(branch_ids).__name__} of "
+            f"dtype {ids.dtype}, shape {ids.shape}")
+
+
+def _parse_device(device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device must name a torch device ('cuda', 'cuda:1', 'cpu'), got "
+                         f"{device!r}") from None
+
+
+def _check_cuda_available(device: torch.device) -> None:
+    """A clear error where torch's would be an AssertionError ("Torch not compiled with CUDA
+    enabled") or a driver message on first use."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} needs a CUDA GPU, but torch sees none "
+                         f"(torch.cuda.is_available() is False: no GPU or driver, or a CPU-only "
+                         f"torch); pass device='cpu' for the PyTorch path")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"device={str(device)!r} names GPU {device.index}, but torch sees "
+                         f"{count} GPU(s): cuda:0..cuda:{count - 1}")

@@ -18,6 +18,7 @@ def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
     """Write ``k[i]``/``v[i]`` (``[num_kv_heads, head_dim]`` each) into token slot ``slots[i]``.
 
     One kernel launch on CUDA tensors (the AOT ``append_kv`` kernel), plain indexing on CPU.
+    Values are copied: k/v that require grad leave the pools out of autograd.
     ``validate`` checks k/v against the pools and the slots (integers inside the pool, distinct:
     one sync); ``validate=False`` skips all of it, for a caller that guarantees them (the
     allocator's hot path).
@@ -32,6 +33,8 @@ def write_slots(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
         return
     num_kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     index = slots.to(torch.long)
+    if k.requires_grad or v.requires_grad:  # a write copies values: never attach the pools to
+        k, v = k.detach(), v.detach()       # autograd (the CUDA kernel reads raw pointers)
     k_pool.view(-1, num_kv_heads, head_dim)[index] = k
     v_pool.view(-1, num_kv_heads, head_dim)[index] = v
 

@@ -22,7 +22,10 @@ def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, sm_scale: float,
     scores = torch.einsum("nhgd,nlhd->nhgl", queries, keys) * sm_scale
     padding = pos[None, :] >= lengths[:, None]                            # [n, L]
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # empty sequence: all -inf -> 0
+    probs = torch.softmax(scores, dim=-1)
+    # An empty sequence's scores are all -inf: zero weights (softmax gives NaN there). NaN read
+    # from q or K stays NaN, as in the kernels and tree_attention.
+    probs.masked_fill_((lengths == 0)[:, None, None, None], 0.0)
     result = torch.einsum("nhgl,nlhd->nhgd", probs, values)
     out.copy_(result.reshape(num_seqs, num_qo_heads, head_dim))
 
@@ -53,7 +56,8 @@ def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: 
                                    int(seq_lens[b]), sm_scale)
         merged = slice(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])
         lse = torch.cat([own_lse, partial_lse[merged]])                    # [parts, heads]
-        weight = torch.softmax(lse, dim=0).nan_to_num_(0.0)  # all empty: zeros
+        weight = torch.softmax(lse, dim=0)
+        weight.masked_fill_(lse.isneginf().all(0), 0.0)  # only empty parts: zeros, NaN kept
         out[b] = (weight[..., None] * torch.cat([own_out, partial_out[merged]])).sum(0)
 
 
@@ -72,5 +76,7 @@ def _attend(q, k_pool, v_pool, table, start: int, end: int, sm_scale: float):
     queries = q.float().view(rows, num_kv_heads, -1, head_dim)
     scores = torch.einsum("rhgd,lhd->rhgl", queries, keys) * sm_scale
     lse = torch.logsumexp(scores, dim=-1)
-    result = torch.einsum("rhgl,lhd->rhgd", torch.exp(scores - lse[..., None]), values)
+    # Normalised by the weights' sum, as the kernels are, not by exp(-lse): where the scores are
+    # large (1e8), float32's lse loses log(count) and exp(scores - lse) would not sum to 1.
+    result = torch.einsum("rhgl,lhd->rhgd", torch.softmax(scores, dim=-1), values)
     return result.reshape(rows, num_qo_heads, head_dim), lse.reshape(rows, num_qo_heads)

@@ -12,8 +12,14 @@ import torch
 from .. import dispatch
 from ..runtime import POINTER_ALIGN
 
-#: The kernels take ``sm_scale * log2(e)`` as a float32: a larger scale would be inf there.
-MAX_SCALE = float(torch.finfo(torch.float32).max) / math.log2(math.e)
+# The kernels compute base-2 scores ``(q . k) * (sm_scale * log2 e)`` in float32 from float16 or
+# bfloat16 q and K. A float16 product sum is at most ``head_dim * 65504**2`` in magnitude; a
+# scale within :func:`max_scale` keeps every such score within half the float32 range, so the
+# scores and their differences (the online softmax subtracts the running maximum) stay finite.
+# bfloat16 inputs beyond float16's range can overflow ``q . k`` itself, whatever the scale.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+LOG2E = math.log2(math.e)
 
 
 def as_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
@@ -38,17 +44,28 @@ def check_layer(layer, num_layers: int) -> int:
     return layer
 
 
+def max_scale(head_dim: int) -> float:
+    """The largest ``|sm_scale|`` accepted for ``head_dim``: ``FLOAT32_MAX / (2 * log2(e) *
+    head_dim * 65504**2)`` (4.29e26 at head_dim 64, 1.07e26 at 256). The C ABI's
+    ``check_shape`` computes the same double in the same order."""
+    return FLOAT32_MAX / (2.0 * LOG2E * head_dim * FLOAT16_MAX * FLOAT16_MAX)
+
+
 def check_scale(sm_scale, head_dim: int) -> float:
-    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite real number."""
+    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a real number with
+    ``|sm_scale| <= max_scale(head_dim)``. Zero (uniform weights) and negative scales are
+    computed as written; a larger magnitude would make the kernels' float32 scores overflow
+    and is refused."""
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise TypeError(f"sm_scale must be a real number or None, got "
                         f"{type(sm_scale).__name__} {sm_scale!r}")
-    scale = float(sm_scale)
-    if not abs(scale) <= MAX_SCALE:  # NaN fails too
-        raise ValueError(f"sm_scale must be finite, at most {MAX_SCALE:.3g} in magnitude "
-                         f"(a float32 once multiplied by log2 e), got {sm_scale!r}")
+    scale, bound = float(sm_scale), max_scale(head_dim)
+    if not abs(scale) <= bound:  # NaN fails too
+        raise ValueError(f"sm_scale must be finite and at most {bound:.6g} in magnitude for "
+                         f"head_dim {head_dim} (float32 scores q.k * sm_scale * log2(e) of "
+                         f"float16 inputs must not overflow), got {sm_scale!r}")
     return scale
 
 
