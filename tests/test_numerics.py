@@ -198,7 +198,8 @@ def scale_problems(extreme: bool, sign: int, dtype, device):
         slots = p.k_pool.shape[0] * p.k_pool.shape[1]
         k_pool = extreme_keys(slots, False, sign, dtype, device).view(p.k_pool.shape)
         k_pool[p.block_tables[:, 0].long(), 0] = sign * FLOAT16_MAX
-        p.k_pool, p.q, q = k_pool, torch.full_like(p.q, FLOAT16_MAX), torch.full_like(q, FLOAT16_MAX)
+        p.k_pool, p.q = k_pool, torch.full_like(p.q, FLOAT16_MAX)
+        q = torch.full_like(q, FLOAT16_MAX)
     return p, alloc, leaves, q
 
 
@@ -280,7 +281,7 @@ def test_nan_in_q_or_k_propagates_tree_attention_torch_path():
     ref = reference.tree_attention(q, alloc, ids)
     assert ref[0, :4].isnan().all() and ref[1, 6].isnan().all() and not ref[-1].any()
     assert int(ref.isnan().any(-1).sum()) == 5
-    plan = TreeAttentionPlan(alloc, ids, QO_HEADS, target_chunk=16)
+    plan = TreeAttentionPlan(alloc, ids, QO_HEADS, _options=PlanOptions(target_chunk=16))
     assert_same_nans_else_close(plan.run(q, 0, poisoned_like(q)), ref)
 
 

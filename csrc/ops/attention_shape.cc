@@ -3,8 +3,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <iomanip>
-#include <sstream>
 #include <set>
+#include <sstream>
 
 #include "util/int_math.h"
 
