@@ -1,5 +1,7 @@
 """The planner on CPU: every branch's path is covered exactly once, tiles cover every row,
 and the cost model folds and computes the nodes it should."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -689,3 +691,22 @@ def test_item_runs_reject_bad_tables_and_records_it_cannot_write():
                 np.asfortranarray(np.repeat(records, 2, axis=0))):
         with pytest.raises(ValueError, match="records must be"):
             _core.item_runs(bad, starts, np.zeros((1, 4), np.int64), np.array([0]), 8)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("node_parent", [5, -1, 0], "node_parent\\[0\\] must be -1 or an earlier node"),
+    ("node_end", [9, 10, 11], "starts at 8, its parent ends at 9"),
+    ("order", [0, 0, 1], "order is not a permutation"),
+    ("end_node", [0, 1, 7], "end_node\\[2\\] is not a node"),
+])
+def test_an_inconsistent_tree_is_refused_before_planning(field, value, match):
+    """The planner indexes by the tree's arrays: a SegmentTree made by hand and broken is a
+    ValueError naming what is wrong (it aborted the process in the C++ core before)."""
+    alloc = PhysicalKVAllocator(16, 4, 2, 8, device="cpu")
+    root = alloc.alloc_branch(8).branch_id
+    ids = [root] + [alloc.alloc_branch(8 + k, parent_branch_id=root).branch_id for k in (2, 3)]
+    tree = alloc.segment_tree(ids)
+    planner.plan(tree, planner.Shape(4, 2, 8, 2, 132))  # as built: fine
+    broken = dataclasses.replace(tree, **{field: np.array(value, np.int64)})
+    with pytest.raises(ValueError, match=match):
+        planner.plan(broken, planner.Shape(4, 2, 8, 2, 132))

@@ -1,5 +1,9 @@
 """tree_attention and TreeAttentionPlan: the kernels (interpreter on CPU, real on the GPU)
 and the PyTorch path against the float64 reference; plan reuse, staleness, bad input."""
+import gc
+import weakref
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -639,6 +643,44 @@ def test_plan_launches_bind_against_the_manifest(chunk, separate, last):
         plan._core.run(16, 0, 48, 64, 0)
     with pytest.raises(CoreError, match="workspace must be a non-NULL, 16-byte aligned"):
         plan._core.bind(8)
+
+
+def test_a_refilled_id_buffer_names_the_new_branches():
+    """Engines refill their id buffers in place every step: the one-shot call answers for the
+    buffer's ids now, and a plan keeps the ids it was made for."""
+    alloc, ids = forest("cpu", branches=8, seed=4)
+    q = queries(alloc, ids[:2], 4)
+    buffer = np.array(ids[:2])
+    tree_attention(q, alloc, buffer)
+    buffer[:] = ids[2:4]
+    check(tree_attention(q, alloc, buffer), q, alloc, ids[2:4])
+    held = np.array(ids[:2])
+    plan = TreeAttentionPlan(alloc, held, 4)
+    held[:] = ids[2:4]
+    assert plan.branch_ids.tolist() == ids[:2] and not plan.branch_ids.flags.writeable
+    check(plan.run(q), q, alloc, ids[:2])
+
+
+def test_the_one_shot_cache_keeps_no_allocator_alive():
+    """tree_attention's cached plan holds its allocator weakly: an allocator (and its pools)
+    is freed once the caller drops it."""
+    dropped = []
+    for seed in range(5):
+        alloc, ids = forest("cpu", seed=seed)
+        tree_attention(queries(alloc, ids, 4), alloc, ids)
+        dropped.append(weakref.ref(alloc))
+        del alloc
+    gc.collect()
+    assert [ref() for ref in dropped] == [None] * 5
+
+
+def test_forced_options_are_checked():
+    """The planner's options are checked by name before any planning."""
+    alloc, ids = forest("cpu", seed=8)
+    with pytest.raises(TypeError, match="flat must be True, False or None, got 'yes'"):
+        TreeAttentionPlan(alloc, ids, 4, _options=PlanOptions(flat="yes"))
+    with pytest.raises(TypeError, match="_options must be a planner.PlanOptions"):
+        TreeAttentionPlan(alloc, ids, 4, _options={"flat": True})
 
 
 def test_non_finite_scale_is_rejected():

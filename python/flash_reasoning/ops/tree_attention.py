@@ -63,7 +63,7 @@ class TreeAttentionPlan:
         if device.type == "cuda" or options.arch is not None:  # the kernels will run: compiled?
             check_compiled("allocator", allocator.dtype, self.head_dim)
         self._context = _context_for(device, options)
-        with _holding(allocator):
+        with allocator._lock:  # the tree and the tables of one moment, with their versions
             tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
             tables = _dense_tables(allocator, tree)
             self.tree_version = allocator.tree_version
@@ -126,7 +126,7 @@ class TreeAttentionPlan:
                             "free, prune or overwrite); build a new TreeAttentionPlan")
         if alloc.table_version == self._table_version:
             return
-        with _holding(alloc):
+        with alloc._lock:
             tables, lengths = alloc.block_tables(self.branch_ids)
             version = alloc.table_version
         if tables.shape[1] > self.tables.shape[1]:
@@ -240,22 +240,6 @@ def _dense_tables(allocator: PhysicalKVAllocator, tree) -> np.ndarray:
     columns = max(1, -(-int(tree.lengths.max(initial=0)) // allocator.block_size))
     return mirror[rows, :columns].astype(np.int32)
 
-
-def _holding(allocator):
-    """The allocator's lock, where it has one: host state read while other threads may
-    change it."""
-    return getattr(allocator, "_lock", _NO_LOCK)
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_LOCK = _NoLock()
 
 _plans: weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple] = weakref.WeakKeyDictionary()
 

@@ -1,4 +1,5 @@
-"""Segment trees from the allocator, FastTree files and level lists."""
+"""SegmentTree: the tree of shared ranges, from the allocator's fork histories and from block
+tables, and its checks."""
 import random
 from dataclasses import fields
 
@@ -11,8 +12,6 @@ from hypothesis import strategies as st
 from flash_reasoning import _core
 from flash_reasoning.allocator import PhysicalKVAllocator
 from flash_reasoning.segment_tree import SegmentTree
-from flash_reasoning.tools.bench import load_cases
-from flash_reasoning.tools.trees import TreeSpec, build_branches, from_levels, load_fasttree
 
 BS = 4
 
@@ -281,74 +280,27 @@ def test_table_rows_are_checked():
         SegmentTree.from_tables([0, 1], lengths, mirror, 1, np.array([0, 1]))
 
 
-# ---- tree specs -------------------------------------------------------------------------
+# ---- broken input is an error, never an abort -------------------------------------------------
 
-def test_load_fasttree(tmp_path):
-    path = tmp_path / "tree.txt"
-    path.write_text("5\n-1 0 50 2\n0 1 100 2\n0 2 100 0\n1 3 150 0\n1 4 150 0\n")
-    spec = load_fasttree(path)
-    assert spec.parent.tolist() == [-1, 0, 0, 1, 1]
-    assert spec.leaves().tolist() == [2, 3, 4]
-    assert (spec.unique_tokens, spec.logical_tokens) == (550, 150 + 300 + 300)
-
-
-@pytest.mark.parametrize("text, match", [
-    ("3\n-1 0 8 1\n0 1 4 0\n", "header says 3"),
-    ("-1 0 8 2\n0 1 4 0\n", "declares 2 children"),
-    ("-1 0 8 1\n0 2 4 0\n", "ids must be 0..1"),
-    ("-1 0 8\n", "parent id seqlen num_children"),
-    ("-1 0 x 0\n", "non-integer"),
+@pytest.mark.parametrize("breaks, keys, match", [
+    ([0, 8], [[1, -1], [1, -1]], "breaks must hold every row length"),   # 12 is missing
+    ([0, 12, 8], [[1, -1, 2], [1, 2, -1]], "strictly increasing"),
+    ([4, 8, 12], [[1, 2, -1], [1, 2, 3]], "breaks must start at 0"),
+    ([0, 8, 12], [[1, 2, 3], [1, 2, 3]], "must be -1 exactly at and beyond"),
 ])
-def test_load_fasttree_rejects_bad_files(tmp_path, text, match):
-    path = tmp_path / "bad.txt"
-    path.write_text(text)
-    with pytest.raises(ValueError, match=match):
-        load_fasttree(path)
+def test_keys_and_breaks_are_checked(breaks, keys, match):
+    """The trie reads keys by break: breaks that miss a length, go backwards or do not start
+    at 0, and keys that are not -1 exactly past a row's length, are refused (they aborted the
+    process in the C++ core before)."""
+    with pytest.raises(_core.CoreError, match=match):
+        SegmentTree.from_keys([0, 1], np.array([8, 12]), np.array(breaks), np.array(keys))
 
 
-def test_tree_spec_rejects_cycles():
-    with pytest.raises(ValueError, match="cycle"):
-        TreeSpec(np.array([1, 0]), np.array([1, 1]))
-
-
-def test_from_levels_parents():
-    spec = from_levels([1, 2, 4], [8, 4, 2])
-    assert spec.parent.tolist() == [-1, 0, 0, 1, 1, 2, 2]
-    assert spec.node_start().tolist() == [0, 8, 8, 12, 12, 12, 12]
-
-
-def bench_shapes():
-    cases = load_cases()["cases"]  # the cases file the package ships
-    shapes = {}
-    for case in cases:
-        key = (tuple(case["nodes_per_level"]), tuple(case["tokens_per_level"]))
-        shapes[key] = (case["unique_tokens"], case["logical_tokens"], case["branches"])
-    return sorted(shapes.items())
-
-
-@pytest.mark.parametrize("shape, expected", bench_shapes())
-def test_bench_cases_token_counts(shape, expected):
-    spec = from_levels(*shape)
-    unique, logical, branches = expected
-    assert (spec.unique_tokens, spec.logical_tokens) == (unique, logical)
-    alloc = PhysicalKVAllocator(2, 16, 1, 2, dtype=torch.float32, device="cpu")
-    leaves = build_branches(alloc, spec)  # nothing written: no data block needed
-    assert len(leaves) == branches and alloc.live_branch_ids() == sorted(leaves)
-    tree = alloc.segment_tree(leaves)
-    assert (tree.unique_tokens, tree.logical_tokens) == (unique, logical)
-    only_children = sum(len(kids) == 1 for kids in spec.children())  # merged into parents
-    assert tree.num_nodes == spec.num_nodes - only_children
-
-
-def test_build_branches_fills_shared_content():
-    spec = from_levels([1, 3], [6, 2])  # forks at 6, inside a block
+def test_the_tree_keeps_its_own_ids():
+    """Engines refill id buffers in place: a tree (and a plan made from it) keeps the ids it
+    was built for, read-only."""
     alloc = allocator()
-    fill = lambda node, layer, n: rows(n, float(node + 1))  # noqa: E731
-    leaves = build_branches(alloc, spec, fill=fill)
-    for i, bid in enumerate(leaves):
-        tables, lengths = alloc.block_tables([bid])
-        pos = torch.arange(int(lengths[0]))
-        k = alloc.k_pools[0].reshape(-1, 1, 2)[tables[0, pos // BS].long() * BS + pos % BS]
-        assert k[:, 0, 0].tolist() == [1.0] * 6 + [i + 2.0] * 2
-    # Block 0 is shared; each leaf copied the partial block 1 (positions 4..7) on write.
-    assert alloc.memory_report().tokens_physical == 4 + 3 * 4
+    ids = np.array([alloc.alloc_branch(5).branch_id for _ in range(2)])
+    tree = alloc.segment_tree(ids)
+    ids[:] = [7, 8]
+    assert tree.branch_ids.tolist() == [0, 1] and not tree.branch_ids.flags.writeable
