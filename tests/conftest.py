@@ -15,10 +15,16 @@ import torch  # noqa: E402
 HAS_GPU = torch.cuda.is_available()
 
 
+#: The marks of a test that needs a CUDA GPU: ``gpu`` (``pytest -m gpu`` runs them alone, as
+#: ci/gpu_check.sh does), and skipped without one. ``pytest.param(..., marks=GPU_MARKS)``.
+GPU_MARKS = (pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU"))
+
+
 def gpu(test):
-    """A test that needs a CUDA GPU: marked ``gpu`` (``pytest -m gpu`` runs them alone, as
-    ci/gpu_check.sh does), skipped without one."""
-    return pytest.mark.gpu(pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")(test))
+    """Decorates a test that needs a CUDA GPU with :data:`GPU_MARKS`."""
+    for mark in GPU_MARKS:
+        test = mark(test)
+    return test
 
 
 # Triton 3.6's interpreter calls int() on 1-element arrays, which numpy 2.4 rejects; the

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import HAS_GPU, allocator_snapshot, assert_allocator_unchanged
+from conftest import GPU_MARKS, HAS_GPU, allocator_snapshot, assert_allocator_unchanged
 from flash_reasoning import StalePlan, TreeAttentionPlan, reference
 from flash_reasoning.allocator import (
     MAX_TOKENS,
@@ -736,8 +736,7 @@ def test_a_device_torch_cannot_parse_is_a_clear_error(device):
         PhysicalKVAllocator(8, 4, 1, 64, device=device)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not HAS_GPU, reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU_MARKS)])
 def test_writes_never_attach_the_pools_to_autograd(device):
     """A K tensor with requires_grad used to make the pools require grad."""
     alloc = PhysicalKVAllocator(8, BS, HEADS, DIM, num_layers=1, dtype=torch.float32,

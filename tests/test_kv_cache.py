@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from conftest import gpu, interpreter
+from conftest import GPU_MARKS, gpu, interpreter
 from flash_reasoning import kv_cache
 
 
@@ -73,7 +73,7 @@ def test_write_slots_rejects_bad_rows_and_changes_nothing(change, error):
     assert torch.equal(k_pool, before[0]) and torch.equal(v_pool, before[1])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU_MARKS)])
 def test_write_slots_never_attaches_the_pools_to_autograd(device):
     """K/V rows that require grad are copied as values: the pools stay plain tensors."""
     k_pool, v_pool = _pools(torch.float16, device)
