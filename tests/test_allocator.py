@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import GPU_MARKS, HAS_GPU, allocator_snapshot, assert_allocator_unchanged
+from conftest import GPU_MARKS, HAS_GPU, allocator_snapshot, assert_allocator_unchanged, gpu
 from flash_reasoning import StalePlan, TreeAttentionPlan, reference
 from flash_reasoning.allocator import (
     MAX_TOKENS,
@@ -724,7 +724,7 @@ def test_a_cuda_allocator_without_cuda_is_a_clear_error(device):
         PhysicalKVAllocator(8, 4, 1, 64, device=device)
 
 
-@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU")
+@gpu
 def test_a_cuda_index_beyond_the_gpus_is_a_clear_error():
     with pytest.raises(ValueError, match="names GPU 99, but torch sees"):
         PhysicalKVAllocator(8, 4, 1, 64, device="cuda:99")
