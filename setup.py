@@ -17,7 +17,7 @@ from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-#: The C++ core by layer (csrc/README.md): util, runtime, planner, ops.
+#: The C++ core by layer (docs/architecture.md): util, runtime, planner, ops.
 CORE_SOURCES = sorted(src for layer in ("util", "runtime", "planner", "ops")
                       for src in glob(f"csrc/{layer}/*.cc"))
 #: The C library exports only its fr* functions and needs only libc and libstdc++ (libcuda is

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from flash_reasoning import TreeAttentionPlan
+from flash_reasoning.planner import PlanOptions
 from flash_reasoning.tools import bench, timing
 
 #: (label, planner option, values).
@@ -52,7 +53,7 @@ FAMILIES = {
 def forced_plan(alloc, leaves, num_qo_heads, option=None, value=None):
     """The plan with ``option`` forced to ``value`` (the planner's own plan without one)."""
     forced = {} if option is None else {option: value}
-    return TreeAttentionPlan(alloc, leaves, num_qo_heads, **forced)
+    return TreeAttentionPlan(alloc, leaves, num_qo_heads, _options=PlanOptions(**forced))
 
 
 def signature(plan, q):
@@ -60,7 +61,8 @@ def signature(plan, q):
     when the last launch starts."""
     alloc = plan.allocator
     launches = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], torch.empty_like(q))
-    digest = hashlib.sha1(plan.arrays.work.tobytes()).hexdigest()
+    work = plan.arrays.items
+    digest = hashlib.sha1(b"".join(work[m].tobytes() for m in sorted(work))).hexdigest()
     return (tuple((launch.spec.name, tuple(launch.grid)) for launch in launches), digest,
             plan.arrays.early_final)
 

@@ -66,8 +66,9 @@ EXHAUSTING = {
     "reserve from a step": (CHILDREN, steps_to_a_block_end, lambda a, step: a.reserve(step)),
     # Forks inside a block holding the parent's data beyond the fork: a copy each.
     "fork many": (0, lambda a: None, lambda a, _: a.alloc_branches(CHILDREN, 7, 0, 5)),
-    # Tokens 6..6+4*CHILDREN-1: the root's own half-full block, then CHILDREN fresh ones.
-    "write many tokens": (0, lambda a: None,
+    # Tokens 6..6+4*CHILDREN-1: the root's own half-full block, then CHILDREN fresh ones. A
+    # second root holds one more block, so the root's new length fits the pool (max_tokens).
+    "write many tokens": (1, lambda a: a.write(a.alloc_branch(0).branch_id, 0, *rows(a, 1)),
                           lambda a, _: a.write(0, 1, *rows(a, CHILDREN * BS), start=6)),
 }
 

@@ -71,8 +71,11 @@ def test_bench_cases_token_counts(shape, expected):
     spec = from_levels(*shape)
     unique, logical, branches = expected
     assert (spec.unique_tokens, spec.logical_tokens) == (unique, logical)
-    alloc = PhysicalKVAllocator(2, 16, 1, 2, dtype=torch.float32, device="cpu")
-    leaves = build_branches(alloc, spec)  # nothing written: no data block needed
+    # Nothing is written, so no data block is used; the pool is only as large as a branch may be.
+    longest = int((spec.node_start() + spec.seqlen).max())
+    alloc = PhysicalKVAllocator(1 + -(-longest // 16), 16, 1, 2, dtype=torch.float32,
+                                device="cpu")
+    leaves = build_branches(alloc, spec)
     assert len(leaves) == branches and alloc.live_branch_ids() == sorted(leaves)
     tree = alloc.segment_tree(leaves)
     assert (tree.unique_tokens, tree.logical_tokens) == (unique, logical)
