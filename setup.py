@@ -24,7 +24,8 @@ CORE_SOURCES = sorted(src for layer in ("util", "runtime", "planner", "ops")
 #: opened at run time): csrc/CMakeLists.txt builds it with the same flags.
 C_LIBRARY_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-fno-math-errno", "-fvisibility=hidden",
                    "-fvisibility-inlines-hidden", "-Icsrc", "-Icsrc/include"]
-C_LIBRARY_LINK = ["-shared", "-Wl,-soname,libflash_reasoning.so", "-static-libgcc", "-Wl,--as-needed", "-Wl,--no-undefined",
+C_LIBRARY_LINK = ["-shared", "-Wl,-soname,libflash_reasoning.so", "-static-libgcc",
+                  "-Wl,--as-needed", "-Wl,--no-undefined",
                   "-Wl,--version-script=csrc/capi/exports.map"]
 
 

@@ -24,13 +24,25 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
-from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, interpreter, \
-    poisoned_like
-from flash_reasoning import (PhysicalKVAllocator, PoolExhausted, StalePlan, TreeAttentionPlan,
-                             UnknownBranch, planner, reference)
+from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, interpreter, poisoned_like
+from flash_reasoning import (
+    PhysicalKVAllocator,
+    PoolExhausted,
+    StalePlan,
+    TreeAttentionPlan,
+    UnknownBranch,
+    planner,
+    reference,
+)
 from flash_reasoning.allocator import ZERO_BLOCK
 
 
