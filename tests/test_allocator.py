@@ -739,10 +739,9 @@ def test_a_device_torch_cannot_parse_is_a_clear_error(device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU_MARKS)])
 def test_writes_never_attach_the_pools_to_autograd(device):
     """A K tensor with requires_grad used to make the pools require grad."""
-    alloc = PhysicalKVAllocator(8, BS, HEADS, DIM, num_layers=1, dtype=torch.float32,
-                                device=device)
+    alloc = PhysicalKVAllocator(8, BS, HEADS, DIM, num_layers=1, device=device)
     root = alloc.alloc_branch(0).branch_id
-    k, v = (t.to(device).requires_grad_(True) for t in token_rows([1, 2, 3, 4, 5]))
+    k, v = (t.to(device, torch.float16).requires_grad_(True) for t in token_rows([1, 2, 3, 4, 5]))
     alloc.write(root, 0, k, v)
     kid = alloc.alloc_branch(5, root).branch_id
     alloc.append([root, kid], 0, k[:2] * 2, v[:2])  # copy on write of the shared block
