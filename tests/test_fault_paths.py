@@ -262,6 +262,7 @@ def corrupt(path):
 def test_gpu_damaged_artifacts_are_clear_errors(artifacts, damage):
     problem = paged_problem([300, 7], 8, 2, 128, device="cuda")
     cubin = artifacts / first_cubin(artifacts, problem)
+    runtime.reset()  # first_cubin opened the device's context: the call below opens it again
     if damage == "corrupted":
         fragments = ["corrupted artifact", str(cubin), f"sha256 is {corrupt(cubin)}"]
     elif damage == "missing":
@@ -269,7 +270,7 @@ def test_gpu_damaged_artifacts_are_clear_errors(artifacts, damage):
         fragments = [str(cubin)]
     else:
         set_package_version(artifacts, "0.0.9")
-        fragments = ["built for flash_reasoning 0.0.9"]
+        fragments = ["was built by package version '0.0.9'", str(artifacts)]
     with pytest.raises(RuntimeError) as info:
         paged_decode(problem.q, problem.k_pool, problem.v_pool, problem.block_tables,
                      problem.seq_lens)

@@ -19,7 +19,7 @@ def _new_rows(n, dtype, device="cpu", heads=2, dim=64, seed=1):
 
 
 def _expected(k_pool, v_pool, slots, k, v):
-    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    k_ref, v_ref = k_pool.cpu().clone(), v_pool.cpu().clone()
     flat = slots.long().cpu()
     k_ref.view(-1, *k.shape[1:])[flat] = k.cpu()
     v_ref.view(-1, *v.shape[1:])[flat] = v.cpu()

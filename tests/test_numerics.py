@@ -247,6 +247,7 @@ def test_flat_logits_of_1e8_are_normalised_torch_path():
 
 def assert_same_nans_else_close(out, ref):
     """NaN exactly where the float64 reference has NaN; the rest within tolerance."""
+    out, ref = out.cpu(), ref.cpu()
     assert torch.equal(out.isnan(), ref.isnan()), "NaN in other places than the reference's"
     finite = ~ref.isnan()
     assert_close(out[finite], ref[finite])
