@@ -33,6 +33,33 @@ interpreter = pytest.mark.skipif(tuple(map(int, numpy.__version__.split(".")[:2]
                                  reason="Triton 3.6's interpreter needs numpy<2.4")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls (the Hugging Face tests' models): threads only contend, and the CI machine
+    may be shared. ``pytestmark = pytest.mark.usefixtures("one_thread")`` in a module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+#: The block size of :func:`tiny_allocator`.
+TINY_BLOCK = 4
+
+
+def tiny_allocator(num_blocks: int = 64):
+    """A CPU float32 allocator of ``TINY_BLOCK``-token blocks, one KV head of 2: for tests of
+    tree structure, whose rows are :func:`constant_rows`."""
+    from flash_reasoning.allocator import PhysicalKVAllocator
+    return PhysicalKVAllocator(num_blocks, TINY_BLOCK, 1, 2, dtype=torch.float32, device="cpu")
+
+
+def constant_rows(n: int, value: float = 1.0):
+    """K and V rows for :func:`tiny_allocator`: K all ``value``, V its negation."""
+    k = torch.full((n, 1, 2), value)
+    return k, -k
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """An output buffer full of NaN, so a row the kernel never writes fails the check."""
     return torch.full_like(t, float("nan"))

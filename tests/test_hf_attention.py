@@ -17,15 +17,9 @@ from conftest import gpu
 from flash_reasoning.hf import ATTN_IMPLEMENTATION, TreeCache, tree_attention_forward
 from flash_reasoning.hf.models import random_model, twin
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 FP32 = {"rtol": 1e-4, "atol": 1e-4}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,11 @@ from transformers import DynamicCache
 from flash_reasoning.hf import TreeCache
 from flash_reasoning.hf.models import random_model, twin
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 128
 #: float32 logits of these models are O(10): a few ulps of error each.
 FP32 = {"rtol": 1e-4, "atol": 1e-4}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: threads only contend (and the CI machine may be shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

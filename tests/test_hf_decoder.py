@@ -11,13 +11,7 @@ from conftest import gpu
 from flash_reasoning.hf import TreeCache, TreeDecoder, beam_search, sample
 from flash_reasoning.hf.models import random_model
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

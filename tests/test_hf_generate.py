@@ -13,6 +13,8 @@ from conftest import gpu
 from flash_reasoning.hf import Sampling, ThoughtTree, beam_search, sample
 from flash_reasoning.hf.models import random_model, twin
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 STEPS = 64
 VOCAB = 128
 
@@ -27,14 +29,6 @@ def assert_logits_close(ours, theirs, tolerance=1e-5):
 SHAPES = [("llama", 4, 4, 64), ("llama", 16, 4, 128), ("llama", 28, 4, 64),
           ("llama", 16, 2, 128), ("qwen2", 4, 4, 128), ("qwen2", 8, 2, 64),
           ("qwen2", 28, 4, 128), ("qwen2", 8, 1, 64)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def shape_id(shape):

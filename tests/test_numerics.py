@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import gpu, interpreter, poisoned_like
+from conftest import GPU_MARKS, gpu, interpreter, poisoned_like
 from flash_reasoning import (
     PhysicalKVAllocator,
     TreeAttentionPlan,
@@ -219,15 +219,18 @@ def test_the_largest_scale_is_computed_right_torch_path(dtype, extreme, sign):
                  reference.tree_attention(q, alloc, leaves, sm_scale=scale))
 
 
-@interpreter
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=interpreter),
+                                    pytest.param("cuda", marks=GPU_MARKS)])
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("dtype, extreme", SCALE_CASES)
-def test_the_largest_scale_is_computed_right_interpreted(dtype, extreme, sign):
+def test_the_largest_scale_is_computed_right(dtype, extreme, sign, device):
+    """The kernels (interpreted on CPU) at the largest sm_scale the checks accept."""
     scale = sign * max_scale(64)
-    p, alloc, leaves, q = scale_problems(extreme, sign, dtype, "cpu")
+    p, alloc, leaves, q = scale_problems(extreme, sign, dtype, device)
+    interpreted = device == "cpu"
     for splits in (1, 3):
-        check_paged(p, splits, interpreted=True, sm_scale=scale)
-    check_tree_plan(alloc, leaves, q, interpreted=True, sm_scale=scale)
+        check_paged(p, splits, interpreted=interpreted, sm_scale=scale)
+    check_tree_plan(alloc, leaves, q, interpreted=interpreted, sm_scale=scale)
 
 
 def test_flat_logits_of_1e8_are_normalised_torch_path():
@@ -322,17 +325,6 @@ def test_gpu_sequence_of_32k_tokens(dtype, head_dim):
     tables, lengths = alloc.block_tables(ids)
     assert_close(paged_decode(q, alloc.k_pools[0], alloc.v_pools[0], tables, lengths,
                               out=poisoned_like(q)), ref)
-
-
-@gpu
-@pytest.mark.parametrize("sign", [1, -1])
-@pytest.mark.parametrize("dtype, extreme", SCALE_CASES)
-def test_gpu_the_largest_scale_is_computed_right(dtype, extreme, sign):
-    scale = sign * max_scale(64)
-    p, alloc, leaves, q = scale_problems(extreme, sign, dtype, "cuda")
-    for splits in (1, 3):
-        check_paged(p, splits, interpreted=False, sm_scale=scale)
-    check_tree_plan(alloc, leaves, q, interpreted=False, sm_scale=scale)
 
 
 @gpu

@@ -5,28 +5,19 @@ from dataclasses import fields
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import TINY_BLOCK, constant_rows, tiny_allocator
 from flash_reasoning import _core
 from flash_reasoning.allocator import PhysicalKVAllocator
 from flash_reasoning.segment_tree import SegmentTree
 
-BS = 4
-
-
-def allocator(num_blocks=64):
-    return PhysicalKVAllocator(num_blocks, BS, 1, 2, dtype=torch.float32, device="cpu")
-
-
-def rows(n, value=1.0):
-    k = torch.full((n, 1, 2), value)
-    return k, -k
+BS = TINY_BLOCK
 
 
 def write(alloc, bid, n, start=None):
-    alloc.write(bid, 0, *rows(n), start=alloc.length(bid) if start is None else start)
+    alloc.write(bid, 0, *constant_rows(n), start=alloc.length(bid) if start is None else start)
 
 
 def nodes(tree):
@@ -36,7 +27,7 @@ def nodes(tree):
 
 
 def test_root_and_forks_at_a_block_boundary():
-    alloc = allocator()
+    alloc = tiny_allocator()
     root = alloc.alloc_branch(8)
     a = alloc.alloc_branch(10, parent_branch_id=root.branch_id)
     b = alloc.alloc_branch(11, parent_branch_id=root.branch_id)
@@ -48,7 +39,7 @@ def test_root_and_forks_at_a_block_boundary():
 
 
 def test_fork_inside_a_block_shares_only_positions_before_it():
-    alloc = allocator()
+    alloc = tiny_allocator()
     root = alloc.alloc_branch(0)
     write(alloc, root.branch_id, 6)
     a = alloc.alloc_branch(5, parent_branch_id=root.branch_id, fork_position=5)
@@ -60,7 +51,7 @@ def test_fork_inside_a_block_shares_only_positions_before_it():
 
 
 def test_copy_on_write_ends_sharing_at_the_copied_block():
-    alloc = allocator()
+    alloc = tiny_allocator()
     root = alloc.alloc_branch(0)
     write(alloc, root.branch_id, 12)
     a = alloc.alloc_branch(12, parent_branch_id=root.branch_id)
@@ -71,7 +62,7 @@ def test_copy_on_write_ends_sharing_at_the_copied_block():
 
 
 def test_freed_parent_keeps_the_shared_segment():
-    alloc = allocator()
+    alloc = tiny_allocator()
     root = alloc.alloc_branch(0)
     write(alloc, root.branch_id, 7)
     kids = [alloc.alloc_branch(9, parent_branch_id=root.branch_id).branch_id
@@ -82,7 +73,7 @@ def test_freed_parent_keeps_the_shared_segment():
 
 
 def test_unrelated_roots_form_a_forest():
-    alloc = allocator()
+    alloc = tiny_allocator()
     ids = [alloc.alloc_branch(5).branch_id, alloc.alloc_branch(0).branch_id,
            alloc.alloc_branch(3).branch_id]
     tree = alloc.segment_tree(ids)
@@ -96,7 +87,7 @@ def random_forest(seed):
     """Random forks (at and inside blocks), writes and frees; returns the allocator and
     the fork history {branch: (parent, fork position)} of every branch ever made."""
     rng = random.Random(seed)
-    alloc, history = allocator(num_blocks=256), {}
+    alloc, history = tiny_allocator(num_blocks=256), {}
     for _ in range(rng.randint(1, 25)):
         live = alloc.live_branch_ids()
         action = rng.random()
@@ -299,7 +290,7 @@ def test_keys_and_breaks_are_checked(breaks, keys, match):
 def test_the_tree_keeps_its_own_ids():
     """Engines refill id buffers in place: a tree (and a plan made from it) keeps the ids it
     was built for, read-only."""
-    alloc = allocator()
+    alloc = tiny_allocator()
     ids = np.array([alloc.alloc_branch(5).branch_id for _ in range(2)])
     tree = alloc.segment_tree(ids)
     ids[:] = [7, 8]

@@ -5,20 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TINY_BLOCK, constant_rows, tiny_allocator
 from flash_reasoning.allocator import PhysicalKVAllocator
 from flash_reasoning.tools.bench import load_cases
 from flash_reasoning.tools.trees import TreeSpec, build_branches, from_levels, load_fasttree
 
-BS = 4
-
-
-def allocator(num_blocks=64):
-    return PhysicalKVAllocator(num_blocks, BS, 1, 2, dtype=torch.float32, device="cpu")
-
-
-def rows(n, value=1.0):
-    k = torch.full((n, 1, 2), value)
-    return k, -k
+BS = TINY_BLOCK
 
 
 # ---- tree specs -------------------------------------------------------------------------
@@ -85,8 +77,8 @@ def test_bench_cases_token_counts(shape, expected):
 
 def test_build_branches_fills_shared_content():
     spec = from_levels([1, 3], [6, 2])  # forks at 6, inside a block
-    alloc = allocator()
-    fill = lambda node, layer, n: rows(n, float(node + 1))  # noqa: E731
+    alloc = tiny_allocator()
+    fill = lambda node, layer, n: constant_rows(n, float(node + 1))  # noqa: E731
     leaves = build_branches(alloc, spec, fill=fill)
     for i, bid in enumerate(leaves):
         tables, lengths = alloc.block_tables([bid])
