@@ -527,7 +527,7 @@ def small_problem() -> Problem:
     (lambda p: p.shape.update(num_kv_heads=0), FR_INVALID_ARGUMENT, ["shape.num_kv_heads", "got 0"]),
     (lambda p: p.shape.update(block_size=0), FR_INVALID_ARGUMENT, ["shape.block_size"]),
     (lambda p: p.shape.update(sm_scale=float("nan")), FR_INVALID_ARGUMENT, ["shape.sm_scale", "finite"]),
-    (lambda p: p.shape.update(sm_scale=-1.0), FR_INVALID_ARGUMENT, ["shape.sm_scale"]),
+    (lambda p: p.shape.update(sm_scale=-1e38), FR_INVALID_ARGUMENT, ["shape.sm_scale", "at most"]),
     (length(1, -1), FR_INVALID_ARGUMENT, ["tree.lengths[1]", "got -1"]),
     (entry(1, 2, 4096), FR_INVALID_ARGUMENT, ["block_tables[1][2] is 4096", "shape.num_blocks = 4096"]),
     (entry(2, 4, -3), FR_INVALID_ARGUMENT, ["block_tables[2][4] is -3"]),

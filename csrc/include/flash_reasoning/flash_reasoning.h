@@ -69,7 +69,9 @@ typedef enum frDtype { FR_FLOAT16 = 1, FR_BFLOAT16 = 2 } frDtype;
 typedef struct frContext_t* frContext;
 typedef struct frPlan_t* frPlan;
 
-/* The attention call a plan or decode serves. sm_scale 0 means 1/sqrt(head_dim). */
+/* The attention call a plan or decode serves. sm_scale 0 means 1/sqrt(head_dim); any other
+ * value, negative included, is used as given if |sm_scale| is at most the bound under which
+ * float32 scores of float16 inputs cannot overflow (the error message names it). */
 typedef struct frAttentionShape {
   int32_t num_qo_heads;
   int32_t num_kv_heads; /* divides num_qo_heads */
