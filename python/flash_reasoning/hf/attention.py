@@ -18,14 +18,6 @@ UNSUPPORTED_KWARGS = {"sliding_window": "sliding window attention",
                       "position_bias": "additive position biases (ALiBi, relative)"}
 
 
-#: Why a compiled model on CUDA is refused: its decode logits differ from the eager model's
-#: (tests/test_hf_attention.py, on an H200), while the op alone and compiled CPU models match.
-COMPILED_CUDA_REFUSED = (
-    "flash_reasoning.hf: a model compiled with torch.compile on CUDA gives logits that differ "
-    "from the uncompiled model's (a known defect, not yet found); run the model uncompiled: "
-    "TreeDecoder's CUDA graphs (cuda_graphs=True) are the fast decode path")
-
-
 def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask: torch.Tensor | None,
                            scaling: float | None = None, dropout: float = 0.0,
@@ -48,8 +40,6 @@ def tree_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
 
 
 def _compiled_forward(module, query, key, value, attention_mask, scaling, dropout, kwargs):
-    if query.is_cuda:
-        raise NotImplementedError(COMPILED_CUDA_REFUSED)
     layer = module.layer_idx
     cache = _checked_cache_eager(layer, query, attention_mask, scaling, dropout, kwargs)
     if cache.step_kind != "decode":
