@@ -4,7 +4,9 @@ Per case one allocator holds the tree (each shared token stored once). ``tree_at
 runs over it; ``paged_decode`` and torch SDPA run over a materialised copy in which every
 branch owns its whole path (what an engine without prefix sharing stores and reads). The
 floor of a case is its unique bytes (KV stored once, q, out) over the measured copy
-bandwidth. On the GPU times are CUDA-event medians with the L2 flushed before each run; on
+bandwidth; its roofline, the larger of the floor and its attention FLOPs over the measured
+dense matrix-multiply rate, plus one launch (all three measured in the run: ``Machine``). On
+the GPU times are CUDA-event medians with the L2 flushed before each run; on
 CPU (``device="cpu"``, the PyTorch path) they are host-time medians, for the table's shape
 only.
 """
@@ -96,10 +98,15 @@ class Row:
     speedup: float | None = None   # paged_decode's time over this op's, same case
     fasttree_us: float | None = None
     sdpa_ref_us: float | None = None
+    roofline_us: float | None = None  # GPU only (absent from runs before the roofline)
 
     @property
     def over_floor(self) -> float | None:
         return None if self.us is None or self.floor_us is None else self.us / self.floor_us
+
+    @property
+    def over_roofline(self) -> float | None:
+        return None if self.us is None or self.roofline_us is None else self.us / self.roofline_us
 
     def tbps(self, nbytes: int) -> float | None:
         """Bytes per GPU time; ``None`` on CPU (host times of the PyTorch path)."""
@@ -109,6 +116,7 @@ class Row:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "over_floor": self.over_floor,
+                "over_roofline": self.over_roofline,
                 "unique_tbps": self.tbps(self.unique_bytes),
                 "logical_tbps": self.tbps(self.logical_bytes)}
 
@@ -130,6 +138,27 @@ def unique_bytes(case: dict) -> int:
 def floor_us(case: dict, bandwidth_tbps: float) -> float:
     """The case's floor: its unique bytes moved once at ``bandwidth_tbps``."""
     return unique_bytes(case) / (bandwidth_tbps * 1e12) * 1e6
+
+
+def attention_flops(case: dict) -> int:
+    """QK^T and PV: 2 x head_dim multiply-adds per (query head, KV token it attends); each
+    branch's query heads attend its whole path (the logical tokens)."""
+    return 4 * case["head_dim"] * case["num_qo_heads"] * case["logical_tokens"]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run's rooflines are made of, measured once per run (``timing``)."""
+    copy_bandwidth_tbps: float
+    matmul_tflops: float
+    launch_us: float
+
+
+def roofline_us(case: dict, machine: Machine) -> float:
+    """The case's roofline: its bytes at the copy bandwidth or its FLOPs at the matmul rate,
+    whichever takes longer, plus one launch."""
+    compute_us = attention_flops(case) / (machine.matmul_tflops * 1e12) * 1e6
+    return max(floor_us(case, machine.copy_bandwidth_tbps), compute_us) + machine.launch_us
 
 
 def geomean(values: Sequence[float]) -> float:
@@ -197,8 +226,9 @@ class Separate:
 
 
 def run_case(case: dict, ops: tuple[str, ...], device: str, runs: int,
-             bandwidth_tbps: float | None) -> list[Row]:
-    """Every op of ``ops`` on one case: the rows, each checked before it is timed."""
+             machine: Machine | None) -> list[Row]:
+    """Every op of ``ops`` on one case: the rows, each checked before it is timed (floors and
+    rooflines with ``machine``, the GPU's)."""
     alloc, leaves = case_allocator(case, device)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(len(leaves), case["num_qo_heads"], case["head_dim"], generator=gen)
@@ -218,11 +248,12 @@ def run_case(case: dict, ops: tuple[str, ...], device: str, runs: int,
     rows = []
     for op in ops:
         row = Row(case["name"], op, "cpu" if device == "cpu" else "gpu", None,
-                  None if bandwidth_tbps is None else floor_us(case, bandwidth_tbps),
+                  None if machine is None else floor_us(case, machine.copy_bandwidth_tbps),
                   unique_bytes(case), logical_bytes,
                   report.bytes_used if op == "tree_attention" else report.bytes_separate,
                   report.bytes_separate, fasttree_us=case.get("h100_fasttree_us"),
-                  sdpa_ref_us=case.get("h100_linear_sdpa_us"))
+                  sdpa_ref_us=case.get("h100_linear_sdpa_us"),
+                  roofline_us=None if machine is None else roofline_us(case, machine))
         if op in outputs:
             row.error = _error(op, outputs, expected)
             out = torch.empty_like(q)
@@ -268,6 +299,8 @@ COLUMNS = (  # header, width, value of a row
     ("case", 22, lambda r: r.case), ("op", 14, lambda r: r.op), ("on", 3, lambda r: r.device),
     ("time us", 9, lambda r: _num(r.us)), ("floor us", 8, lambda r: _num(r.floor_us)),
     ("x floor", 7, lambda r: _num(r.over_floor, 2)),
+    ("roof us", 8, lambda r: _num(r.roofline_us)),
+    ("x roof", 6, lambda r: _num(r.over_roofline, 2)),
     ("speedup", 7, lambda r: _num(r.speedup, 2)),
     ("TB/s uniq", 9, lambda r: _num(r.tbps(r.unique_bytes), 2)),
     ("TB/s logi", 9, lambda r: _num(r.tbps(r.logical_bytes), 2)),
@@ -308,6 +341,7 @@ def summary(rows: list[Row]) -> str:
             lines.append(f"tree_attention {layout} (floor >= {limit:g} us): geomean "
                          f"{geo:.2f}x floor over {len(picked)} cases, worst {worst.case} "
                          f"{worst.over_floor:.2f}x")
+    lines += _roofline_summary(rows)
     small = [r for r in timed if r.floor_us < SMALL_FLOOR_US]
     if small:
         worst = max(small, key=lambda r: r.us)
@@ -318,6 +352,21 @@ def summary(rows: list[Row]) -> str:
     lines.append(f"tree_attention slower than paged_decode (no sharing) on {len(slower)} "
                  f"case(s){': ' + ', '.join(slower) if slower else ''}")
     return "\n".join(lines)
+
+
+def _roofline_summary(rows: list[Row]) -> list[str]:
+    """Geometric means of time/roofline per head layout and over every case, each with its
+    worst case (the roofline counts the launch, so small cases are in)."""
+    timed = [r for r in rows if r.op == "tree_attention" and r.over_roofline is not None]
+    layouts = sorted({r.case.rsplit("/", 1)[-1] for r in timed})
+    groups = [(layout, [r for r in timed if r.case.endswith("/" + layout)]) for layout in layouts]
+    lines = []
+    for name, picked in groups + ([("all cases", timed)] if len(groups) > 1 else []):
+        worst = max(picked, key=lambda r: r.over_roofline)
+        lines.append(f"tree_attention {name}: geomean "
+                     f"{geomean([r.over_roofline for r in picked]):.2f}x roofline over "
+                     f"{len(picked)} cases, worst {worst.case} {worst.over_roofline:.2f}x")
+    return lines
 
 
 def _num(value: float | None, digits: int = 1) -> str:

@@ -91,12 +91,13 @@ def cmd_bench(args) -> int:
     cases = [c for c in cases if args.filter in c["name"]]
     meta = _meta(cpu, args)
     print("  ".join(f"{key}: {value}" for key, value in meta.items()))
-    bandwidth = None if cpu else meta["copy_bandwidth_tbps"]
+    machine = None if cpu else bench.Machine(meta["copy_bandwidth_tbps"], meta["matmul_tflops"],
+                                             meta["launch_us"])
     rows: list[bench.Row] = []
     print(bench.format_header(), flush=True)
     for i, case in enumerate(cases):
         _progress(i, len(cases), case["name"])
-        new = bench.run_case(case, ops, "cpu" if cpu else "cuda", args.runs, bandwidth)
+        new = bench.run_case(case, ops, "cpu" if cpu else "cuda", args.runs, machine)
         _progress(i + 1, len(cases), "")
         print("\n".join(bench.format_row(r) for r in new), flush=True)
         rows += new
@@ -129,7 +130,9 @@ def _meta(cpu: bool, args) -> dict:
     index = torch.cuda.current_device()
     return {**meta, "device": torch.cuda.get_device_name(index), "driver": _driver_version(),
             "cubins": runtime.arch_of(index),
-            "copy_bandwidth_tbps": round(timing.copy_bandwidth_tbps(), 3)}
+            "copy_bandwidth_tbps": round(timing.copy_bandwidth_tbps(), 3),
+            "matmul_tflops": round(timing.matmul_tflops(), 1),
+            "launch_us": round(timing.launch_us(), 2)}
 
 
 def _progress(done: int, total: int, what: str) -> None:

@@ -55,6 +55,21 @@ def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e12
 
 
+def matmul_tflops(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Dense matrix-multiply rate (2 n^3 FLOPs / time) of an n-cube product: the roofline's
+    compute term's denominator."""
+    a = torch.randn(n, n, device="cuda").to(dtype)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    us = median_us(lambda: torch.mm(a, b, out=c), runs=20)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
+def launch_us() -> float:
+    """A launch's fixed cost: a 4-byte write, timed as every op is (L2 flushed, GPU time)."""
+    word = torch.zeros(1, dtype=torch.int32, device="cuda")
+    return median_us(lambda: word.fill_(1), runs=100)
+
+
 def host_us(fn, runs: int = 200) -> float:
     """Median host time of ``fn()`` in microseconds (the GPU work it queues is not waited
     for; the queue is drained every 50 calls so it never fills)."""
