@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .. import reference
@@ -29,7 +30,7 @@ from ..ops.paged_decode import paged_decode
 from ..ops.tree_attention import TreeAttentionPlan
 from . import timing
 from .synthetic import random_kv
-from .trees import build_branches, from_levels
+from .trees import TreeSpec, build_branches, from_levels
 
 OPS = ("tree_attention", "paged_decode", "sdpa")
 #: The seed's table: a shared prompt, one short branch per batch entry.
@@ -165,11 +166,19 @@ def geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def case_spec(case: dict) -> TreeSpec:
+    """The case's tree: its ``parent``/``seqlen`` arrays (generated families), else its levels
+    (the cases file)."""
+    if "parent" in case:
+        return TreeSpec(np.asarray(case["parent"]), np.asarray(case["seqlen"]))
+    return from_levels(case["nodes_per_level"], case["tokens_per_level"])
+
+
 def case_allocator(case: dict, device: str = "cuda", block_size: int = 16, seed: int = 0,
                    random: bool = True) -> tuple[PhysicalKVAllocator, list[int]]:
     """The case's tree in a fresh allocator, random K/V in every node (zeros, made on the
     device at once, when only timing matters: ``random=False``); returns the leaves."""
-    spec = from_levels(case["nodes_per_level"], case["tokens_per_level"])
+    spec = case_spec(case)
     blocks = int((-(-spec.seqlen // block_size) + 1).sum()) + 1
     alloc = PhysicalKVAllocator(blocks, block_size, case["num_kv_heads"], case["head_dim"],
                                 dtype=dtype_of(case), device=device)
@@ -296,7 +305,7 @@ def _cpu_median_us(fn, runs: int) -> float:
 
 
 COLUMNS = (  # header, width, value of a row
-    ("case", 22, lambda r: r.case), ("op", 14, lambda r: r.op), ("on", 3, lambda r: r.device),
+    ("case", 34, lambda r: r.case), ("op", 14, lambda r: r.op), ("on", 3, lambda r: r.device),
     ("time us", 9, lambda r: _num(r.us)), ("floor us", 8, lambda r: _num(r.floor_us)),
     ("x floor", 7, lambda r: _num(r.over_floor, 2)),
     ("roof us", 8, lambda r: _num(r.roofline_us)),

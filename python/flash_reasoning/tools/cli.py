@@ -9,7 +9,7 @@ import sys
 import torch
 
 from .. import __version__, runtime, tuning_table
-from . import bench, demo, report, timing
+from . import bench, demo, family, report, timing
 
 
 def cmd_info(_args) -> int:
@@ -87,7 +87,12 @@ def cmd_bench(args) -> int:
     if cpu and args.device != "cpu":
         print("bench: no CUDA device found; running the small CPU version of the seed table "
               "through the PyTorch path (times are CPU times, no floor)")
-    cases = bench.table_cases(None if cpu else bench.load_cases(args.cases), cpu)
+    if args.family:
+        cases = family.family_cases(args.family, args.family_size, args.seed,
+                                    None if args.half == "all" else args.half,
+                                    family.CPU if cpu else family.GPU)
+    else:
+        cases = bench.table_cases(None if cpu else bench.load_cases(args.cases), cpu)
     cases = [c for c in cases if args.filter in c["name"]]
     meta = _meta(cpu, args)
     print("  ".join(f"{key}: {value}" for key, value in meta.items()))
@@ -160,6 +165,15 @@ def main(argv: list[str] | None = None) -> int:
                               help=f"comma-separated subset of {','.join(bench.OPS)}")
     bench_parser.add_argument("--device", choices=("auto", "cpu"), default="auto",
                               help="cpu: the small CPU table even where a GPU exists")
+    bench_parser.add_argument("--family", choices=sorted(family.FAMILIES),
+                              help="a generated family of trees and model shapes instead of "
+                              "the table (small ones on CPU): docs/performance.md")
+    bench_parser.add_argument("--family-size", type=int, default=300,
+                              help="cases in the family, both halves (default 300)")
+    bench_parser.add_argument("--seed", type=int, default=0, help="the family's seed")
+    bench_parser.add_argument("--half", choices=(*family.HALVES, "all"), default="held-out",
+                              help="the family's cases to run: the half rules may be fitted "
+                              "on, the held-out half they are judged on (default), or all")
     bench_parser.add_argument("--json", metavar="FILE", help="write every row as JSON")
     bench_parser.add_argument("--csv", metavar="FILE", help="write every row as CSV")
     bench_parser.add_argument("--plot", metavar="PNG", help="speedup and memory vs batch "
