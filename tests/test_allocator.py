@@ -93,8 +93,9 @@ def reference_segment_tree(alloc, branch_ids):
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random forks (at and inside blocks), writes, decode steps, frees, prunes on a pool of 9
-    data blocks; a shadow model holds each branch's tokens per layer (0 = never written)."""
+    """Random forks (at and inside blocks), writes, decode steps, truncations, frees, prunes on
+    a pool of 9 data blocks; a shadow model holds each branch's tokens per layer (0 = never
+    written)."""
 
     def __init__(self):
         super().__init__()
@@ -221,6 +222,14 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
+    def truncate(self, data):
+        bid = data.draw(st.sampled_from(sorted(self.tokens)))
+        n = data.draw(st.integers(0, len(self.tokens[bid][0])))
+        self.alloc.truncate(bid, n)
+        self.tokens[bid] = [t[:n] for t in self.tokens[bid]]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
     def free(self, data):
         bid = data.draw(st.sampled_from(sorted(self.tokens)))
         self.alloc.free_branch(bid)
@@ -268,6 +277,58 @@ TestAllocatorMachine = AllocatorMachine.TestCase
 
 
 # ---- targeted ---------------------------------------------------------------------------
+
+def test_truncate_drops_whole_blocks_and_regrowth_reads_zeros_past_the_end():
+    alloc = small_allocator(num_blocks=8, layers=1)
+    root = alloc.alloc_branch(0).branch_id
+    alloc.write(root, 0, *token_rows(list(range(1, 11))))          # 10 tokens: 3 blocks
+    kid = alloc.alloc_branch(9, root, 9).branch_id                 # shares all three
+    alloc.truncate(root, 5)                                        # keeps blocks 0 and 1
+    assert alloc.length(root) == 5 and alloc.memory_report().blocks_used == 3  # the kid's
+    assert torch.equal(gathered(alloc, kid, 0)[0], token_rows(list(range(1, 10)))[0])
+    step = alloc.reserve([root])                                   # position 5, in block 1
+    assert torch.equal(gathered(alloc, root, 0)[0], token_rows([1, 2, 3, 4, 5, 0])[0])
+    alloc.append(step, 0, *token_rows([60]))
+    assert torch.equal(gathered(alloc, root, 0)[0], token_rows([1, 2, 3, 4, 5, 60])[0])
+    assert torch.equal(gathered(alloc, kid, 0)[0], token_rows(list(range(1, 10)))[0])
+    alloc.free_branch(kid)
+    alloc.truncate(root, 0)
+    assert alloc.memory_report().blocks_used == 0
+    check_invariants(alloc, {root: 0})
+
+
+def test_truncate_makes_plans_and_the_branch_steps_stale_and_nothing_else():
+    alloc = small_allocator(num_blocks=16, layers=1)
+    a, b = (alloc.alloc_branch(0).branch_id for _ in range(2))
+    for bid in (a, b):
+        alloc.write(bid, 0, *token_rows([1, 2, 3, 4, 5, 6]))
+    plan = TreeAttentionPlan(alloc, [a, b], 2)
+    step_a, step_b = alloc.reserve([a]), alloc.reserve([b])
+    versions = alloc.tree_version, alloc.table_version
+    alloc.truncate(a, alloc.length(a))                             # no change at all
+    assert (alloc.tree_version, alloc.table_version) == versions
+    alloc.truncate(a, 3)
+    with pytest.raises(StalePlan):
+        plan.run(torch.zeros(2, 2, DIM), 0)
+    with pytest.raises(ValueError, match="stale"):
+        alloc.append(step_a, 0, *token_rows([9]))
+    alloc.append(step_b, 0, *token_rows([9]))                      # b's step is still good
+
+
+@pytest.mark.parametrize("num_tokens, error, match", [
+    (7, ValueError, r"must lie in \[0, 6\] .*truncate only shortens\), got 7"),
+    (-1, ValueError, "num_tokens"), (2.5, TypeError, "num_tokens")])
+def test_truncate_refuses_bad_lengths_and_changes_nothing(num_tokens, error, match):
+    alloc = small_allocator(num_blocks=8, layers=1)
+    bid = alloc.alloc_branch(0).branch_id
+    alloc.write(bid, 0, *token_rows([1, 2, 3, 4, 5, 6]))
+    before = allocator_snapshot(alloc)
+    with pytest.raises(error, match=match):
+        alloc.truncate(bid, num_tokens)
+    with pytest.raises(UnknownBranch):
+        alloc.truncate(bid + 1, 0)
+    assert_allocator_unchanged(alloc, before)
+
 
 def forked_family(alloc, children=6, prefix=6):
     root = alloc.alloc_branch(prefix)

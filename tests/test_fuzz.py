@@ -3,7 +3,7 @@
 A hypothesis state machine draws allocator operations: roots, forks (at and inside blocks,
 ``count`` 0 included), decode steps (``reserve``, then ``append`` in some layers; the
 one-call form; a held step reserved again or appended later), writes that extend or
-overwrite, frees, prunes, and calls that must fail (pool exhaustion, lengths past
+overwrite, truncations, frees, prunes, and calls that must fail (pool exhaustion, lengths past
 ``max_tokens``, stale steps, bad input). It holds plans across them. After every step it
 compares the allocator with :class:`Model`, an account of every branch's tokens kept without
 the allocator: each branch's length and the K/V every position reads (bit for bit, every
@@ -373,6 +373,25 @@ class FuzzMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.model.rows)
     @rule(data=st.data())
+    def truncate(self, data):
+        """Roll a branch back (rejected draft tokens): its first positions stay, its children
+        keep theirs."""
+        bid = self.pick(data)
+        length = self.model.length(bid)
+        n = data.draw(st.integers(max(0, length - 3 * self.alloc.block_size), length),
+                      label="truncated to")
+        version = self.alloc.tree_version, self.alloc.table_version
+        self.alloc.truncate(bid, n)
+        if n == length:  # changes nothing, held plans and steps stay valid
+            assert (self.alloc.tree_version, self.alloc.table_version) == version
+            return
+        assert self.alloc.tree_version != version[0]
+        self.touch([bid])
+        for kv in self.model.rows[bid]:
+            kv[0], kv[1] = kv[0][:n].clone(), kv[1][:n].clone()
+
+    @precondition(lambda self: self.model.rows)
+    @rule(data=st.data())
     def exhaust(self, data):
         """A write into more fresh blocks than are free (or past max_tokens)."""
         bid = self.pick(data)
@@ -404,6 +423,7 @@ class FuzzMachine(RuleBasedStateMachine):
         if dead:
             gone = dead[-1]
             calls += [("freed id", lambda: a.write(gone, 0, k, v), (UnknownBranch, f"{gone}")),
+                      ("truncate a freed id", lambda: a.truncate(gone, 0), UnknownBranch),
                       ("free twice", lambda: a.free_branch(gone), UnknownBranch)]
         if live:
             bid = self.pick(data, "bad target")
@@ -417,6 +437,10 @@ class FuzzMachine(RuleBasedStateMachine):
                 ("scale", lambda: TreeAttentionPlan(a, live, self.num_qo_heads, 1e38),
                  (ValueError, "sm_scale")),
             ]
+            calls += [("truncate past the end", lambda: a.truncate(bid, n + 1),
+                       (ValueError, "truncate only shortens")),
+                      ("truncate below zero", lambda: a.truncate(bid, -1),
+                       (ValueError, "num_tokens"))]
             if n < a.max_tokens:
                 calls.append(("fork past the end", lambda: a.alloc_branch(n + 1, bid, n + 1),
                               (ValueError, "fork_position")))

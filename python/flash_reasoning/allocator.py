@@ -445,6 +445,41 @@ class PhysicalKVAllocator:
         self._release(freed)
         return freed
 
+    @_locked
+    def truncate(self, branch_id: int, num_tokens: int) -> None:
+        """Shorten the branch to its first ``num_tokens`` positions (``0 <= num_tokens <=
+        length``): rejected draft tokens, a step rolled back. Nothing is copied: the blocks
+        wholly past the new end lose the branch's reference (free at 0); the block holding
+        the end is kept, and reads zero past it once the branch grows again. Branches forked
+        from it keep every token they hold. Plans over the allocator go stale
+        (``tree_version``), as do held decode steps of this branch. ``num_tokens == length``
+        changes nothing."""
+        row = self._row(branch_id)
+        length = int(self._lengths[row])
+        num_tokens = as_int("num_tokens", num_tokens, low=0)
+        if num_tokens > length:
+            raise ValueError(f"num_tokens must lie in [0, {length}] (branch {branch_id}'s "
+                             f"length: truncate only shortens), got {num_tokens}")
+        if num_tokens == length:
+            return
+        kept, held = -(-num_tokens // self.block_size), -(-length // self.block_size)
+        dropped = self._tables[row, kept:held]
+        dropped = dropped[dropped != ZERO_BLOCK]
+        self._refcount[dropped] -= 1  # a row holds each data block once
+        freed = np.sort(dropped[self._refcount[dropped] == 0])
+        self._free[self._free_top:self._free_top + freed.size] = freed[::-1]
+        self._free_top += freed.size
+        self._tables[row, kept:held] = ZERO_BLOCK
+        self._set_lengths(row, num_tokens)
+        # Positions from num_tokens on are the branch's own when it grows again.
+        lineage = tuple(seg for seg in self._lineage[branch_id] if seg[0] < num_tokens)
+        if not lineage or lineage[-1][1] != branch_id:
+            lineage += ((num_tokens, branch_id),)
+        self._lineage[branch_id] = lineage
+        self._table_epoch += 1
+        self._epoch += 1
+        self._row_epoch[row] = self._epoch  # a held step of it reserved a dropped position
+
     # ---- writes --------------------------------------------------------------------------
 
     @_locked

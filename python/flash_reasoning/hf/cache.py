@@ -171,10 +171,11 @@ class TreeCache(Cache):
         self._rows = rows
 
     def truncate(self, branch_id: int, length: int) -> int:
-        """``branch_id`` cut to its first ``length`` tokens: a fork at ``length`` that
-        replaces it (a new id, which takes its row). Returns the new id."""
+        """``branch_id`` cut to its first ``length`` tokens (``allocator.truncate``: nothing
+        copied, the id and its row kept). Returns the id."""
         self._settle()
-        return self._truncate(branch_id, length)
+        self.allocator.truncate(branch_id, length)
+        return branch_id
 
     # ---- transformers' Cache interface ---------------------------------------------------
 
@@ -255,7 +256,7 @@ class TreeCache(Cache):
             keep = length + tokens_to_remove if tokens_to_remove < 0 else min(tokens_to_remove,
                                                                                 length)
             if keep < length:
-                self._truncate(bid, max(keep, 0))
+                self.allocator.truncate(bid, max(keep, 0))
 
     def reset(self) -> None:
         for bid in self.allocator.live_branch_ids():
@@ -338,15 +339,15 @@ class TreeCache(Cache):
                 self.allocator.v_pools[layer].view(shape)[index])
 
     def rollback(self) -> None:
-        """Undo the last step: every row back to its length before it (new ids for the rows
-        that had grown). Done by itself for a step a forward left half done (it raised
-        between layers); call it when a forward raised after its last layer's attention."""
+        """Undo the last step: every row back to its length before it (same ids). Done by
+        itself for a step a forward left half done (it raised between layers); call it when a
+        forward raised after its last layer's attention."""
         step, self._step = self._step, None
         if step is None:
             return
         for row, bid in enumerate(list(self._rows)):
             if self.allocator.is_alive(bid) and self.allocator.length(bid) > step.starts[row]:
-                self._truncate(bid, int(step.starts[row]))
+                self.allocator.truncate(bid, int(step.starts[row]))
 
     def _open_step(self, new_tokens: int) -> None:
         step = self._step
@@ -402,13 +403,6 @@ class TreeCache(Cache):
         if step is not None and step.external and step.layers_written == 0:
             return step.starts  # begun: the decode positions are already reserved
         return self.lengths()
-
-    def _truncate(self, branch_id: int, length: int) -> int:
-        alloc = self.allocator
-        new = alloc.alloc_branch(length, branch_id, length).branch_id
-        alloc.free_branch(branch_id)
-        self._rows = [new if b == branch_id else b for b in self._rows]
-        return new
 
     def _copies(self, branch_id: int, count: int, length: int) -> list[int]:
         alloc = self.allocator
