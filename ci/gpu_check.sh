@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run on a GPU machine: build for this GPU's arch only, check the driver structs against cuda.h,
-# run every test (GPU tests included), compute-sanitizer and the GPU fuzz test, then the bench
-# (and its figure where matplotlib is installed), the demo, the C++ example and the host-side
-# benchmarks. Logs and JSON go to $OUT (or ./gpu-logs).
+# run the GPU tests (pytest -m gpu; CPU CI runs the rest), compute-sanitizer and the GPU fuzz
+# test, then the bench (and its figure where matplotlib is installed), the demo, the C++ example
+# and the host-side benchmarks. Logs and JSON go to $OUT (or ./gpu-logs).
 # SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls);
-# PYTEST_ARGS (files, split on spaces) and PYTEST_K (one -k expression) narrow the tests.
+# PYTEST_ARGS (default "tests -m gpu", split on spaces) and PYTEST_K (one -k expression) choose
+# the tests.
 # AOT_GRID=wide compiles every candidate config, then tunes a table and checks it
 # (benchmarks/tuned_vs_fixed.py): docs/tuning.md.
 set -uo pipefail
@@ -30,7 +31,7 @@ log=build.log  step "build ($arch)" env FLASH_REASONING_AOT_GRID=${AOT_GRID:-} \
     python3 -m pip install --no-build-isolation --no-deps -e . || exit 1
 log=layout.log step "driver struct layout against cuda.h" bash -c 'g++ -std=c++17 -fsyntax-only -Icsrc \
     -I"$(dirname "$(command -v nvcc)")/../include" ci/driver_layout_check.cc && echo "layout ok"' || status=1
-log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests} ${PYTEST_K:+-k "$PYTEST_K"} -q \
+log=tests.log  step "tests" python3 -m pytest ${PYTEST_ARGS:-tests -m gpu} ${PYTEST_K:+-k "$PYTEST_K"} -q \
     -p no:cacheprovider || status=1
 log=sanitize.log step "compute-sanitizer" env OUT="$OUT" bash ci/sanitize.sh || status=1
 log=fuzz.log   step "fuzz (${FUZZ_EXAMPLES:-2000} trees)" env FLASH_REASONING_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-2000} \
