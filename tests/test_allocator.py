@@ -569,7 +569,7 @@ def _replay_history(device):
     return alloc, kids[:-1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@gpu
 def test_gpu_append_and_copy_on_write_match_cpu_path():
     cpu, ids = _replay_history("cpu")
     gpu, gpu_ids = _replay_history("cuda")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flash_reasoning
+from conftest import gpu
 from flash_reasoning import tuning_table
 from flash_reasoning.tools import bench, cli, report
 
@@ -96,8 +97,7 @@ def test_plot_from_a_json_run_or_a_message_naming_the_extra(tmp_path, capsys):
     assert set(report.seed_series(rows)) == set(bench.OPS)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@gpu
 def test_bench_case_on_gpu_checks_every_op():
     rows = bench.run_case(bench.seed_case(16), bench.OPS, "cuda", 5, bench.Machine(3.0, 600, 4))
     assert [r.op for r in rows] == list(bench.OPS)
