@@ -221,6 +221,33 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.tokens[bid][layer][-1] = value
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), layers=st.lists(st.integers(0, LAYERS - 1), max_size=LAYERS,
+                                          unique=True))
+    def multi_token_step(self, data, layers):
+        """``reserve(ids, counts)``: several positions per branch (0 included), then one append
+        per layer of every branch's tokens in order."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1,
+                                 unique=True))
+        counts = data.draw(st.lists(st.integers(0, 6), min_size=len(ids), max_size=len(ids)))
+        starts = [len(self.tokens[b][0]) for b in ids]
+        pairs = [(b, c) for b, start, n in zip(ids, starts, counts)
+                 for c in range(start // BS, (start + n - 1) // BS + 1) if n]
+        steps = []
+        if not self.attempt(lambda: steps.append(self.alloc.reserve(ids, counts)),
+                            self.need(pairs), max(s + n for s, n in zip(starts, counts))):
+            return
+        assert steps[0].positions.tolist() == starts
+        for bid, n in zip(ids, counts):
+            for layer_tokens in self.tokens[bid]:
+                layer_tokens.extend([0.0] * n)
+        for layer in layers:
+            values = self.fresh(sum(counts))
+            self.alloc.append(steps[0], layer, *token_rows(values))
+            for bid, start, n in zip(ids, starts, counts):
+                self.tokens[bid][layer][start:start + n] = values[:n]
+                values = values[n:]
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def truncate(self, data):
         bid = data.draw(st.sampled_from(sorted(self.tokens)))
@@ -313,6 +340,22 @@ def test_truncate_makes_plans_and_the_branch_steps_stale_and_nothing_else():
     with pytest.raises(ValueError, match="stale"):
         alloc.append(step_a, 0, *token_rows([9]))
     alloc.append(step_b, 0, *token_rows([9]))                      # b's step is still good
+
+
+@pytest.mark.parametrize("counts, error, match", [
+    ([1, 2.5], TypeError, "one per branch"), ([1], TypeError, "2 ints"), (True, TypeError, "bool"),
+    ([1, -1], ValueError, ">= 0 each"), (-2, ValueError, "num_tokens"),
+    ([0, 40], ValueError, "past max_tokens")])
+def test_multi_token_reserve_refuses_bad_counts_and_changes_nothing(counts, error, match):
+    alloc = small_allocator(num_blocks=8, layers=1)
+    ids = [alloc.alloc_branch(0).branch_id for _ in range(2)]
+    before = allocator_snapshot(alloc)
+    with pytest.raises(error, match=match):
+        alloc.reserve(ids, counts)
+    assert_allocator_unchanged(alloc, before)
+    step = alloc.reserve(ids, [0, 0])  # nothing reserved: nothing changes either
+    assert step.slots.numel() == 0
+    assert_allocator_unchanged(alloc, before)
 
 
 @pytest.mark.parametrize("num_tokens, error, match", [

@@ -1,16 +1,17 @@
 """Model-based fuzzing of the allocator and tree attention.
 
 A hypothesis state machine draws allocator operations: roots, forks (at and inside blocks,
-``count`` 0 included), decode steps (``reserve``, then ``append`` in some layers; the
-one-call form; a held step reserved again or appended later), writes that extend or
-overwrite, truncations, frees, prunes, and calls that must fail (pool exhaustion, lengths past
-``max_tokens``, stale steps, bad input). It holds plans across them. After every step it
-compares the allocator with :class:`Model`, an account of every branch's tokens kept without
-the allocator: each branch's length and the K/V every position reads (bit for bit, every
-layer), refcounts against the references in the live tables, the free count, and attention
-(every held plan, right or ``StalePlan`` only when the tree changed or the branches outgrew
-it, and a fresh plan) against the float64 reference from the model. Every failed operation
-leaves the allocator bitwise unchanged, and a call that changes nothing keeps the versions.
+``count`` 0 included), decode steps (``reserve``, then ``append`` in some layers; the one-call
+form; a held step reserved again or appended later; several tokens per branch in one step),
+writes that extend or overwrite, truncations, frees, prunes, and calls that must fail (pool
+exhaustion, lengths past ``max_tokens``, stale steps, bad input). It holds plans across them.
+After every step it compares the allocator with :class:`Model`, an account of every branch's
+tokens kept without the allocator: each branch's length and the K/V every position reads (bit
+for bit, every layer), refcounts against the references in the live tables, the free count,
+and attention (every held plan, right or ``StalePlan`` only when the tree changed or the
+branches outgrew it, and a fresh plan) against the float64 reference from the model. Every
+failed operation leaves the allocator bitwise unchanged, and a call that changes nothing keeps
+the versions.
 
 CPU: the PyTorch path after every step; a few examples plan for the kernels and run them in
 Triton's interpreter at their end. GPU: the same machine and model with the real kernels,
@@ -328,6 +329,32 @@ class FuzzMachine(RuleBasedStateMachine):
             self.model.grow(bid, position + 1)
             for layer in layers:
                 self.model.write(bid, layer, position, k[i:i + 1], v[i:i + 1])
+
+    @precondition(lambda self: self.model.rows)
+    @rule(data=st.data())
+    def multi_token_step(self, data):
+        """``reserve(ids, counts)``: a continuation or a draft per branch (0 to 40 tokens each),
+        then one append per layer of all of them."""
+        ids = data.draw(st.lists(st.sampled_from(self.model.live()), min_size=1, unique=True),
+                        label="ids")
+        counts = data.draw(st.lists(st.integers(0, 40), min_size=len(ids), max_size=len(ids)),
+                           label="counts")
+        layers = data.draw(st.sets(st.integers(0, self.alloc.num_layers - 1)), label="layers")
+        starts = [self.model.length(b) for b in ids]
+        refused = self.past_limit(max(s + n for s, n in zip(starts, counts)))
+        version = self.alloc.tree_version
+        done, step = self.attempt(lambda: self.alloc.reserve(ids, counts), refused)
+        if not done:
+            return
+        assert self.alloc.tree_version == version  # growth keeps plans valid
+        kv = {layer: self.kv(sum(counts)) for layer in layers}
+        for layer, (k, v) in kv.items():
+            self.alloc.append(step, layer, k, v)
+        for i, (bid, start, n) in enumerate(zip(ids, starts, counts)):
+            self.model.grow(bid, start + n)
+            first = sum(counts[:i])
+            for layer, (k, v) in kv.items():
+                self.model.write(bid, layer, start, k[first:first + n], v[first:first + n])
 
     @precondition(lambda self: self.held is not None)
     @rule(data=st.data(), again=st.booleans())

@@ -86,10 +86,12 @@ class Branch:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """One reserved decode token per branch (from :meth:`PhysicalKVAllocator.reserve`).
+    """The positions :meth:`PhysicalKVAllocator.reserve` reserved: one decode token per
+    branch, or ``num_tokens`` each.
 
-    ``positions[i]`` is the token position reserved in ``branch_ids[i]``; ``slots`` (int64,
-    on the pool device) the flat pool slots :meth:`~PhysicalKVAllocator.append` writes;
+    ``positions[i]`` is the first position reserved in ``branch_ids[i]``; ``slots`` (int64,
+    on the pool device) the flat pool slots :meth:`~PhysicalKVAllocator.append` writes (the
+    branches in order, each's positions in order);
     ``rows`` the branches' table rows; ``epoch`` the allocator's when it was reserved. Valid
     only in ``allocator`` (a step of another would write its slots), until one of its
     branches is forked from (the fork would share the step's blocks), freed or pruned (its
@@ -523,20 +525,27 @@ class PhysicalKVAllocator:
         written = np.minimum(end - cols * self.block_size, self.block_size)
         self._fill[blocks] = np.maximum(self._fill[blocks], written)
 
-    def reserve(self, branch_ids: Sequence[int] | DecodeStep) -> DecodeStep:
+    def reserve(self, branch_ids: Sequence[int] | DecodeStep,
+                num_tokens: int | Sequence[int] = 1) -> DecodeStep:
         """Reserve position ``length`` in each branch for one decode step and advance every
         length by one; vectorised over branches, all-or-nothing. The reserved positions read
         zero until :meth:`append` writes them (per layer). A branch already holding
         :attr:`max_tokens` tokens is refused (``ValueError``).
 
         Passing the previous step (``step = reserve(step)``) reserves the next token of the
-        same branches without converting and re-checking their ids: the decode loop's form."""
+        same branches without converting and re-checking their ids: the decode loop's form.
+
+        ``num_tokens`` (one count, or one per branch, each >= 0) reserves that many positions
+        per branch instead: a continuation prompt or a draft to verify, for every branch at
+        once; ``append`` then takes the branches' tokens in order."""
         with self._lock:
             if isinstance(branch_ids, DecodeStep):
                 self._check_current(branch_ids)
                 ids, rows = branch_ids.branch_ids, branch_ids.rows
             else:
                 ids, rows = self._distinct_rows(branch_ids)
+            if not (type(num_tokens) is int and num_tokens == 1):  # bool True is not a count
+                return self._reserve_tokens(ids, rows, num_tokens)
             if rows.size == 0:  # changes nothing
                 return DecodeStep(ids, ids.copy(), self._upload(ids), self._epoch, rows, self)
             positions = self._lengths[rows]
@@ -558,13 +567,14 @@ class PhysicalKVAllocator:
 
     def append(self, step: DecodeStep | Sequence[int], layer: int, k: torch.Tensor,
                v: torch.Tensor) -> DecodeStep:
-        """Write ``k[i]``/``v[i]`` (``[n, num_kv_heads, head_dim]``) at the position ``step``
-        reserved in its ``i``-th branch, in ``layer``: one ``write_slots`` call.
+        """Write ``k[i]``/``v[i]`` (``[n, num_kv_heads, head_dim]``) at the ``i``-th position
+        ``step`` reserved (its branches in order, each's positions in order), in ``layer``: one
+        ``write_slots`` call.
 
         ``step`` may be a list of branch ids when ``num_layers == 1``: then this is
         ``reserve`` plus the write. Returns the step."""
         with self._lock:
-            n = (step.branch_ids if isinstance(step, DecodeStep) else _id_array(step)).size
+            n = step.slots.numel() if isinstance(step, DecodeStep) else _id_array(step).size
             check_layer(layer, self.num_layers)
             self._check_kv(k, v, n)
             if isinstance(step, DecodeStep):
@@ -579,6 +589,40 @@ class PhysicalKVAllocator:
             kv_cache.write_slots(self.k_pools[layer], self.v_pools[layer], step.slots, k, v,
                                  validate=False)  # checked by _check_kv above
             return step
+
+    def _reserve_tokens(self, ids: np.ndarray, rows: np.ndarray,
+                        num_tokens: int | Sequence[int]) -> DecodeStep:
+        """``reserve`` of ``num_tokens`` positions per branch (a count each, or one for all)."""
+        counts = _token_counts(num_tokens, rows.size)
+        positions = self._lengths[rows]
+        ends = positions + counts
+        if ends.size and int(ends.max()) > self.max_tokens:
+            full = int(ids[np.argmax(ends > self.max_tokens)])
+            raise ValueError(f"reserving {int(counts[np.argmax(ends > self.max_tokens)])} "
+                             f"tokens would grow branch {full} past max_tokens; "
+                             f"{self._limit_reason()}")
+        growing = counts > 0
+        if not growing.any():  # changes nothing
+            return DecodeStep(ids, positions.copy(), self._upload(np.zeros(0, np.int64)),
+                              self._epoch, rows, self)
+        first = positions // self.block_size
+        last = np.where(growing, (ends - 1) // self.block_size, first - 1)
+        columns = last - first + 1  # per branch, 0 where it reserves nothing
+        pair_rows = np.repeat(rows, columns)
+        pair_cols = np.repeat(first, columns) + _ranks(columns)
+        what = f"reserving {int(counts.sum())} tokens in {int(growing.sum())} branches"
+        if int(last.max()) >= self._tables.shape[1]:
+            self._reserve_host(columns=int(last.max()) + 1, what=what)
+        blocks = self._materialise(pair_rows, pair_cols, what)
+        heads = np.cumsum(columns) - columns  # each growing branch's first pair
+        self._zero_tails(blocks[heads[growing]], (positions % self.block_size)[growing])
+        pair_ends = np.repeat(ends, columns) - pair_cols * self.block_size
+        self._fill[blocks] = np.maximum(self._fill[blocks], np.minimum(pair_ends, self.block_size))
+        self._set_lengths(rows, ends)
+        reserved = np.repeat(positions, counts) + _ranks(counts)
+        pair_of = np.repeat(heads, counts) + reserved // self.block_size - np.repeat(first, counts)
+        slots = blocks[pair_of] * self.block_size + reserved % self.block_size
+        return DecodeStep(ids, positions.copy(), self._upload(slots), self._epoch, rows, self)
 
     # ---- internals: blocks ---------------------------------------------------------------
 
@@ -838,6 +882,27 @@ class PhysicalKVAllocator:
         # A pageable copy (H100 host: 12.7 us for 2 KB) beats staging through pinned memory
         # for an asynchronous copy (21.7 us): torch's pin_memory costs more than it saves.
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+
+def _token_counts(num_tokens: int | Sequence[int], branches: int) -> np.ndarray:
+    """``num_tokens`` as one int64 count (>= 0) per branch."""
+    if isinstance(num_tokens, (bool, np.bool_)):
+        raise TypeError("num_tokens must be an int or a sequence of ints, got a bool")
+    if isinstance(num_tokens, (int, np.integer)):
+        return np.full(branches, as_int("num_tokens", num_tokens, low=0), np.int64)
+    counts = np.asarray(num_tokens)
+    integral = counts.size == 0 or counts.dtype.kind in "iu"
+    if counts.ndim != 1 or counts.size != branches or not integral:
+        raise TypeError(f"num_tokens must be an int or {branches} ints (one per branch), got "
+                        f"{num_tokens!r}")
+    if counts.size and int(counts.min()) < 0:
+        raise ValueError(f"num_tokens must be >= 0 each, got {int(counts.min())}")
+    return counts.astype(np.int64)
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0..c-1 for each count c, concatenated."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _id_array(branch_ids: Sequence[int]) -> np.ndarray:
