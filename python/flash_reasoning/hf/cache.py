@@ -208,17 +208,14 @@ class TreeCache(Cache):
             raise RuntimeError(f"TreeCache.update: layer {layer_idx} with {new_tokens} new "
                                f"tokens is not the next layer of the step "
                                f"({step.describe() if step else 'no step is open'})")
-        if step.kind == "decode":
-            kv_cache.write_slots(self.allocator.k_pools[layer_idx],
-                                 self.allocator.v_pools[layer_idx], step.slots,
-                                 key_states[:, :, 0].contiguous(),
-                                 value_states[:, :, 0].contiguous(), validate=False)
-        else:
-            for row, bid in enumerate(self._rows):
-                self.allocator.write(bid, layer_idx,
-                                     key_states[row].transpose(0, 1).contiguous(),
-                                     value_states[row].transpose(0, 1).contiguous(),
-                                     int(step.starts[row]))
+        # The step reserved every row's new positions: one launch writes them (rows in order,
+        # each's tokens in order, as reserve lists their slots).
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        kv_cache.write_slots(self.allocator.k_pools[layer_idx],
+                             self.allocator.v_pools[layer_idx], step.slots,
+                             key_states.transpose(1, 2).reshape(shape).contiguous(),
+                             value_states.transpose(1, 2).reshape(shape).contiguous(),
+                             validate=False)
         step.layers_written += 1
         _ACTIVE.set((self, layer_idx))
         return key_states, value_states
@@ -361,8 +358,10 @@ class TreeCache(Cache):
         if not self._rows:
             raise ValueError("the batch is empty: set_batch() names the rows of a forward")
         starts = np.asarray(self.lengths(), np.int64)
-        if new_tokens > 1:
-            return _Step("extend", new_tokens, starts, None, None, self.num_layers)
+        if new_tokens > 1:  # all rows' new tokens reserved at once: all-or-nothing
+            step = _Step("extend", new_tokens, starts, None, None, self.num_layers)
+            step.slots = self.allocator.reserve(self._rows, new_tokens).slots
+            return step
         step = self._step = _Step("decode", 1, starts, None, None, self.num_layers)
         try:  # the reservation is undone if readying the attention fails
             reserved = self._reserve()
