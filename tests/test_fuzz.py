@@ -570,9 +570,13 @@ class FuzzMachine(RuleBasedStateMachine):
         self.TALLY.attention += 1
 
     def teardown(self):
-        """The interpreted kernels: the held plans still valid, and a fresh plan."""
-        if not self.INTERPRET or not hasattr(self, "alloc") or not self.model.rows:
+        """The interpreted kernels: the held plans still valid, and a fresh plan (over a new
+        unwritten root where the history ended with no branch)."""
+        if not self.INTERPRET or not hasattr(self, "alloc"):
             return
+        if not self.model.rows:
+            length = min(8, self.alloc.max_tokens)
+            self.model.add(self.alloc.alloc_branch(length).branch_id, None, 0, length)
         plans = [plan for plan, version in self.plans if version == self.alloc.tree_version
                  and not self.outgrown(plan)]
         for plan in plans + [make_plan(self.alloc, self.model.live(), self.num_qo_heads,
@@ -600,7 +604,7 @@ def test_fuzz_torch_path():
 @interpreter
 def test_fuzz_kernels_interpreted():
     tally = fuzz(INTERPRETED, "cpu", interpret=True)
-    assert tally.interpreted >= INTERPRETED.examples // 2  # histories ending with no branch: none
+    assert tally.examples >= INTERPRETED.examples and tally.interpreted >= tally.examples
 
 
 @gpu

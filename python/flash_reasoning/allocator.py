@@ -465,12 +465,7 @@ class PhysicalKVAllocator:
         if num_tokens == length:
             return
         kept, held = -(-num_tokens // self.block_size), -(-length // self.block_size)
-        dropped = self._tables[row, kept:held]
-        dropped = dropped[dropped != ZERO_BLOCK]
-        self._refcount[dropped] -= 1  # a row holds each data block once
-        freed = np.sort(dropped[self._refcount[dropped] == 0])
-        self._free[self._free_top:self._free_top + freed.size] = freed[::-1]
-        self._free_top += freed.size
+        self._drop_references(self._tables[row, kept:held])
         self._tables[row, kept:held] = ZERO_BLOCK
         self._set_lengths(row, num_tokens)
         # Positions from num_tokens on are the branch's own when it grows again.
@@ -671,8 +666,7 @@ class PhysicalKVAllocator:
             return
         blocks, low = blocks[stale], offsets[stale]
         counts = self._fill[blocks] - low
-        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        slots = self._upload(np.repeat(blocks * self.block_size + low, counts) + within)
+        slots = self._upload(np.repeat(blocks * self.block_size + low, counts) + _ranks(counts))
         zeros = torch.zeros((slots.numel(), self.num_kv_heads, self.head_dim),
                             dtype=self.dtype, device=self.device)
         for k_pool, v_pool in zip(self.k_pools, self.v_pools):
@@ -712,12 +706,7 @@ class PhysicalKVAllocator:
     def _release(self, ids: list[int]) -> None:
         rows = self._row_of[np.asarray(ids, np.int64)]
         cols = -(-int(self._lengths[rows].max()) // self.block_size)
-        held = self._tables[rows, :cols]
-        held = held[held != ZERO_BLOCK]
-        np.subtract.at(self._refcount, held, 1)
-        freed = np.unique(held[self._refcount[held] == 0])
-        self._free[self._free_top:self._free_top + freed.size] = freed[::-1]
-        self._free_top += freed.size
+        self._drop_references(self._tables[rows, :cols])
         self._tables[rows, :cols] = ZERO_BLOCK
         self._set_lengths(rows, 0)
         self._row_of[np.asarray(ids, np.int64)] = -1
@@ -728,6 +717,16 @@ class PhysicalKVAllocator:
         self._table_epoch += 1
         self._epoch += 1
         self._row_epoch[rows] = self._epoch  # a step of these rows would write freed blocks
+
+    def _drop_references(self, entries: np.ndarray) -> None:
+        """One reference less for each data block among these table entries (the zero block
+        skipped, a block listed by several rows counted each time); blocks left at 0 return
+        to the free list, lowest on top."""
+        held = entries[entries != ZERO_BLOCK]
+        np.subtract.at(self._refcount, held, 1)
+        freed = np.unique(held[self._refcount[held] == 0])
+        self._free[self._free_top:self._free_top + freed.size] = freed[::-1]
+        self._free_top += freed.size
 
     def _unlink(self, bid: int) -> None:
         """Forget a dead branch; its live children move to its nearest live ancestor."""

@@ -387,7 +387,8 @@ class ThoughtTree:
     def _feed_pending(self, nodes, tokens, to_choose, sampling) -> torch.Tensor:
         """Rows with a pending token decode it, rows whose token was just chosen from their
         logits wait: run only the pending rows, then all rows go on together."""
-        pending_rows = [i for i in range(len(nodes)) if i not in set(to_choose)]
+        chosen = set(to_choose)
+        pending_rows = [i for i in range(len(nodes)) if i not in chosen]
         self.cache.set_batch([nodes[i].branch_id for i in pending_rows])
         logits = self.decoder.decode(tokens[pending_rows])
         tokens = tokens.clone()
@@ -421,18 +422,19 @@ class _Stops:
             int(self.eos[0]) if self.eos is not None else 0)
         self.pad = torch.tensor(pad, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.ended_at = [None] * rows
+        # The step count at each row's EOS (0: none yet), kept on the device: recording a step
+        # never waits for the GPU (all_done, once a step, is the loop's one sync).
+        self.ended_at = torch.zeros(rows, dtype=torch.long, device=device)
         self.steps = 0
 
     def record(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` with rows that ended before padded; marks rows ending now."""
         out = torch.where(self.done, self.pad, tokens)
+        self.steps += 1
         if self.eos is not None:
             ending = torch.isin(tokens, self.eos) & ~self.done
-            for row in torch.nonzero(ending).flatten().tolist():
-                self.ended_at[row] = self.steps + 1
+            self.ended_at.masked_fill_(ending, self.steps)
             self.done |= ending
-        self.steps += 1
         return out
 
     def all_done(self) -> bool:
@@ -440,10 +442,10 @@ class _Stops:
 
     @property
     def finished(self) -> list[bool]:
-        return [end is not None for end in self.ended_at]
+        return self.done.tolist()
 
     def lengths(self, steps: int) -> list[int]:
-        return [steps if end is None else end for end in self.ended_at]
+        return torch.where(self.done, self.ended_at, steps).tolist()
 
 
 def blocks_for(prompt_tokens: int, branches: int, new_tokens: int, copies: int = 0,
