@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 
+from conftest import gpu
 from flash_reasoning import _core
 from flash_reasoning._core import CoreError, Hole, Launcher
 
@@ -608,10 +609,8 @@ def test_fake_driver_load_errors(tmp_path, fake_libcuda):
 
 # ---------------------------------------------------------------- real GPU
 
+@gpu
 def test_gpu_rejects_corrupted_cubin(tmp_path):
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
     launcher = Launcher(write_arch(tmp_path, [kernel_entry(sha="ab" * 32)]), 0)
     err = raises(lambda: launcher.launch(NAME, (1, 1, 1), [0, 1, 1.0], 0), "corrupted", NAME + ".cubin")
     assert err.code == 4
