@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run on a GPU machine: build for this GPU's arch only, check the driver structs against cuda.h,
 # run the GPU tests (pytest -m gpu; CPU CI runs the rest), compute-sanitizer and the GPU fuzz
-# test, then the bench (and its figure where matplotlib is installed), the demo, the C++ example
-# and the host-side benchmarks. Logs and JSON go to $OUT (or ./gpu-logs).
+# test, then the bench (and its figure where matplotlib is installed), the extend bench
+# (benchmarks/extend.py), the demo, the C++ example and the host-side benchmarks. Logs and JSON
+# go to $OUT (or ./gpu-logs).
 # SKIP="sanitize fuzz" skips the steps whose logs have those names (to split a run over calls);
 # PYTEST_ARGS (default "tests -m gpu", split on spaces) and PYTEST_K (one -k expression) choose
 # the tests.
@@ -43,6 +44,8 @@ if python3 -c "import matplotlib" 2>/dev/null; then  # else: flash-reasoning plo
   log=bench.log step "plot" python3 -m flash_reasoning.tools.cli plot "$OUT/bench.json" \
       "$OUT/bench.png" || status=1
 fi
+log=extend.log step "several queries per branch" python3 benchmarks/extend.py \
+    --json "$OUT/extend.json" || status=1
 log=demo.log   step "demo" python3 -m flash_reasoning.tools.cli demo --check --steps 24 \
     --prefix 2048 --width 64 --layers 8 --num-qo-heads 32 --num-kv-heads 8 --head-dim 128 \
     || status=1

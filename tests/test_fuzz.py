@@ -60,19 +60,21 @@ class Limits:
     near_limit: int        # roots near max_tokens only where it is at most this
     max_branches: int      # live branches (roots and forks stop there)
     plan_branches: int     # branches in a checked plan (a random subset beyond)
+    max_queries: int       # per branch, in the plans that take several (q_lens)
     examples: int
     steps: int             # operations per example
 
 
 CPU = Limits(head_dims=(64,), block_sizes=(1, 2, 5, 16), max_kv_heads=2, max_group=4,
              max_tokens=40, max_blocks=120, target_chunks=(None, 16, 16), near_limit=200,
-             max_branches=12, plan_branches=8, examples=60, steps=30)
+             max_branches=12, plan_branches=8, max_queries=16, examples=60, steps=30)
 INTERPRETED = Limits(head_dims=(64,), block_sizes=(2, 5, 16), max_kv_heads=2, max_group=4,
                      max_tokens=30, max_blocks=60, target_chunks=(None, 16, 16),
-                     near_limit=100, max_branches=8, plan_branches=6, examples=20, steps=15)
+                     near_limit=100, max_branches=8, plan_branches=6, max_queries=8, examples=20,
+                     steps=15)
 GPU = Limits(head_dims=(64, 128, 256), block_sizes=(1, 7, 16, 16), max_kv_heads=4,
              max_group=8, max_tokens=300, max_blocks=3000, target_chunks=(None, None, 16, 64),
-             near_limit=5000, max_branches=64, plan_branches=64, steps=30,
+             near_limit=5000, max_branches=64, plan_branches=64, max_queries=64, steps=30,
              examples=int(os.environ.get("FLASH_REASONING_FUZZ_EXAMPLES", "200")))
 
 
@@ -85,6 +87,7 @@ class Tally:
     exhausted: int = 0
     refused: int = 0         # bad input, limits, stale steps: refused with nothing changed
     interpreted: int = 0     # plan outputs of the interpreted kernels
+    query_rows: int = 0      # query rows checked in plans with several queries per branch
 
 
 class Model:
@@ -147,13 +150,19 @@ class HeldStep:
         return bool(self.touched.intersection(self.ids))
 
 
-def make_plan(alloc, ids, num_qo_heads: int, knobs: dict) -> TreeAttentionPlan:
-    """A plan with the planner's forcing knobs, through ``planner.PlanOptions`` where the plan
-    takes them as its private options object."""
-    options = getattr(planner, "PlanOptions", None)
-    if options is None:
-        return TreeAttentionPlan(alloc, ids, num_qo_heads, **knobs)
-    return TreeAttentionPlan(alloc, ids, num_qo_heads, _options=options(**knobs))
+def make_plan(alloc, ids, num_qo_heads: int, knobs: dict, q_lens=None) -> TreeAttentionPlan:
+    """A plan with the planner's forcing knobs (a ``planner.PlanOptions``)."""
+    return TreeAttentionPlan(alloc, ids, num_qo_heads, q_lens=q_lens,
+                             _options=planner.PlanOptions(**knobs))
+
+
+def some_q_lens(alloc, ids, gen: torch.Generator, most: int):
+    """None (one query per branch) half the time, else 0 to ``most`` queries per branch (at
+    most its length)."""
+    if torch.randint(0, 2, (1,), generator=gen).item():
+        return None
+    return [int(torch.randint(0, min(n, most) + 1, (1,), generator=gen))
+            for n in alloc.lengths(ids)]
 
 
 def interpreted_output(plan: TreeAttentionPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -483,7 +492,8 @@ class FuzzMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(self.model.live()), min_size=1,
                                  max_size=self.LIMITS.plan_branches, unique=True),
                         label="plan ids")
-        plan = make_plan(self.alloc, ids, self.num_qo_heads, self.knobs)
+        plan = make_plan(self.alloc, ids, self.num_qo_heads, self.knobs,
+                         some_q_lens(self.alloc, ids, self.gen, self.LIMITS.max_queries))
         self.plans = self.plans[-2:] + [(plan, self.alloc.tree_version)]
 
     # ---- after every step -----------------------------------------------------------------
@@ -547,8 +557,10 @@ class FuzzMachine(RuleBasedStateMachine):
         live = self.model.live()
         if live:
             order = torch.randperm(len(live), generator=self.gen)[:self.LIMITS.plan_branches]
-            self.check_attention(make_plan(self.alloc, [live[i] for i in order.tolist()],
-                                           self.num_qo_heads, self.knobs))
+            ids = [live[i] for i in order.tolist()]
+            self.check_attention(make_plan(
+                self.alloc, ids, self.num_qo_heads, self.knobs,
+                some_q_lens(self.alloc, ids, self.gen, self.LIMITS.max_queries)))
 
     def outgrown(self, plan) -> bool:
         return self.alloc.block_tables(plan.branch_ids)[0].shape[1] > plan.tables.shape[1]
@@ -556,7 +568,7 @@ class FuzzMachine(RuleBasedStateMachine):
     def check_attention(self, plan, interpreted: bool = False) -> None:
         layer = int(torch.randint(0, self.alloc.num_layers, (1,), generator=self.gen))
         ids = plan.branch_ids.tolist()
-        q = torch.randn(len(ids), plan.num_qo_heads, plan.head_dim, generator=self.gen)
+        q = torch.randn(plan.num_rows, plan.num_qo_heads, plan.head_dim, generator=self.gen)
         q = q.to(self.alloc.dtype).to(self.DEVICE)
         if interpreted:
             out = interpreted_output(plan, q, layer)
@@ -565,7 +577,12 @@ class FuzzMachine(RuleBasedStateMachine):
             out = plan.run(q, layer, poisoned_like(q))
         keys = [self.model.rows[b][layer][0] for b in ids]
         values = [self.model.rows[b][layer][1] for b in ids]
-        err = reference.relative_error(out, reference.decode_attention(q, keys, values))
+        if plan.q_lens is None:
+            expected = reference.decode_attention(q, keys, values)
+        else:
+            expected = reference.query_attention(q, keys, values, plan.q_lens.tolist())
+            self.TALLY.query_rows += plan.num_rows
+        err = reference.relative_error(out, expected)
         assert err < reference.TOLERANCE[q.dtype], f"relative error {err}"
         self.TALLY.attention += 1
 
@@ -579,8 +596,10 @@ class FuzzMachine(RuleBasedStateMachine):
             self.model.add(self.alloc.alloc_branch(length).branch_id, None, 0, length)
         plans = [plan for plan, version in self.plans if version == self.alloc.tree_version
                  and not self.outgrown(plan)]
-        for plan in plans + [make_plan(self.alloc, self.model.live(), self.num_qo_heads,
-                                       self.knobs)]:
+        live = self.model.live()
+        for plan in plans + [make_plan(self.alloc, live, self.num_qo_heads, self.knobs,
+                                       some_q_lens(self.alloc, live, self.gen,
+                                                   self.LIMITS.max_queries))]:
             self.check_attention(plan, interpreted=True)
 
 
@@ -598,7 +617,7 @@ def fuzz(limits: Limits, device: str, interpret: bool = False) -> Tally:
 def test_fuzz_torch_path():
     tally = fuzz(CPU, "cpu")
     assert tally.examples >= CPU.examples and tally.attention > tally.examples
-    assert tally.refused and tally.exhausted
+    assert tally.refused and tally.exhausted and tally.query_rows
 
 
 @interpreter
@@ -612,7 +631,8 @@ def test_gpu_fuzz(capsys):
     tally = fuzz(GPU, "cuda")
     with capsys.disabled():
         print(f"\nfuzz on {torch.cuda.get_device_name()}: {tally.examples} histories, "
-              f"{tally.steps} steps, {tally.attention} plan outputs checked ({tally.stale} "
+              f"{tally.steps} steps, {tally.attention} plan outputs checked "
+              f"({tally.query_rows} rows of several queries per branch, {tally.stale} "
               f"held plans stale), {tally.exhausted} pool exhaustions, {tally.refused} "
               f"refused calls")
     assert tally.examples >= GPU.examples

@@ -44,21 +44,22 @@ def forest(device, num_kv_heads=2, head_dim=64, dtype=torch.float16, branches=12
     return alloc, ids
 
 
-def queries(alloc, ids, num_qo_heads, seed=0):
+def queries(alloc, ids, num_qo_heads, seed=0, rows=None):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(len(ids), num_qo_heads, alloc.head_dim, generator=gen)
+    q = torch.randn(len(ids) if rows is None else rows, num_qo_heads, alloc.head_dim,
+                    generator=gen)
     return q.to(alloc.dtype).to(alloc.device)
 
 
-def check(out, q, alloc, ids, layer=0, sm_scale=None):
-    ref = reference.tree_attention(q, alloc, ids, layer, sm_scale)
+def check(out, q, alloc, ids, layer=0, sm_scale=None, q_lens=None):
+    ref = reference.tree_attention(q, alloc, ids, layer, sm_scale, q_lens)
     err = reference.relative_error(out, ref)
     assert err < reference.TOLERANCE[q.dtype], f"relative error {err}"
 
 
-def interpret(alloc, ids, q, sm_scale=None, **plan_kw):
+def interpret(alloc, ids, q, sm_scale=None, q_lens=None, **plan_kw):
     from aot.interpret import run_interpreted
-    plan = TreeAttentionPlan(alloc, ids, q.shape[1], sm_scale,
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], sm_scale, q_lens,
                              _options=PlanOptions(num_sms=4, arch="sm90", **plan_kw))
     out = poisoned_like(q)
     run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
@@ -621,6 +622,117 @@ def test_bad_input_is_rejected_without_state_change(bad, error, match):
     assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
 
 
+# ---- several queries per branch (q_lens) -------------------------------------------------------
+
+def random_q_lens(alloc, ids, seed, most=64):
+    """0 to ``most`` queries per branch (at most its length), its first and last branches
+    at the extremes: none, and its whole length where that is at most ``most``."""
+    gen = np.random.default_rng(seed)
+    counts = [int(gen.integers(0, min(n, most) + 1)) for n in alloc.lengths(ids)]
+    counts[0] = 0
+    counts[-1] = min(int(alloc.lengths(ids[-1:])[0]), most)
+    return counts
+
+
+def test_query_reference_is_causal_attention():
+    """The float64 reference against PyTorch's SDPA with the causal mask written out."""
+    gen = torch.Generator().manual_seed(0)
+    keys = [torch.randn(n, 2, 16, generator=gen, dtype=torch.float64) for n in (9, 5)]
+    values = [torch.randn(n, 2, 16, generator=gen, dtype=torch.float64) for n in (9, 5)]
+    q_lens = [4, 5]
+    q = torch.randn(9, 4, 16, generator=gen, dtype=torch.float64)
+    got = reference.query_attention(q, keys, values, q_lens, sm_scale=0.3)
+    first = 0
+    for k, v, n in zip(keys, values, q_lens):
+        ends = k.shape[0] - n + torch.arange(1, n + 1)      # query j attends below its end
+        allowed = torch.arange(k.shape[0])[None, :] < ends[:, None]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[first:first + n].transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+            v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=allowed, scale=0.3)
+        assert torch.allclose(got[first:first + n], expected.transpose(0, 1), atol=1e-12)
+        first += n
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2), (16, 1)])
+@pytest.mark.parametrize("separate", [False, True])
+def test_q_lens_interpreted(dtype, heads, separate):
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=120, seed=heads[0],
+                        branches=8)
+    q_lens = random_q_lens(alloc, ids, heads[0], most=24)
+    q = queries(alloc, ids, heads[0], rows=sum(q_lens))
+    plan, out = interpret(alloc, ids, q, q_lens=q_lens, target_chunk=16, separate_merge=separate)
+    assert plan.arrays.num_entries > 0 and plan.num_rows == sum(q_lens)
+    check(out, q, alloc, ids, q_lens=q_lens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(branches=st.integers(1, 20), depth=st.integers(1, 8), tokens=st.integers(0, 40),
+       group=st.sampled_from([1, 4, 16]), merge=st.sampled_from([None, False, True]),
+       lanes=st.sampled_from([None, 1, 4]), seed=st.integers(0, 2**16))
+def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, lanes, seed):
+    alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, branches=branches, depth=depth,
+                        tokens=tokens, seed=seed, block_size=4, roots=1 + seed % 3)
+    q_lens = random_q_lens(alloc, ids, seed)
+    q = queries(alloc, ids, group, seed, rows=sum(q_lens))
+    lanes = None if merge else lanes
+    plan = TreeAttentionPlan(alloc, ids, group, q_lens=q_lens,
+                             _options=PlanOptions(separate_merge=merge, final_lanes=lanes))
+    check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
+
+
+def test_one_query_per_branch_is_decode():
+    alloc, ids = forest("cpu", seed=11)
+    q = queries(alloc, ids, 4)
+    decode = TreeAttentionPlan(alloc, ids, 4).run(q)
+    assert torch.equal(TreeAttentionPlan(alloc, ids, 4, q_lens=[1] * len(ids)).run(q), decode)
+
+
+def test_q_lens_plan_follows_growth():
+    """A held plan's queries are each branch's last q_lens tokens as the branches grow."""
+    alloc, ids = forest("cpu", layers=2, seed=12, tokens=30)
+    q_lens = [3] * len(ids)
+    gen = torch.Generator().manual_seed(1)
+    plan = None
+    for step in range(3):
+        reserved = alloc.reserve(ids, 3)
+        for layer in range(2):
+            alloc.append(reserved, layer, *random_kv(alloc, gen, 3 * len(ids)))
+        plan = plan or TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens)
+        for layer in range(2):
+            q = queries(alloc, ids, 4, seed=step, rows=3 * len(ids))
+            check(plan.run(q, layer, poisoned_like(q)), q, alloc, ids, layer, q_lens=q_lens)
+
+
+def test_tree_attention_plans_again_for_other_q_lens():
+    from flash_reasoning.ops.tree_attention import _plans
+    alloc, ids = forest("cpu", seed=13)
+    lengths = alloc.lengths(ids).tolist()
+    for q_lens in ([min(2, n) for n in lengths], None, [1] * len(ids), [n // 2 for n in lengths]):
+        rows = len(ids) if q_lens is None else sum(q_lens)
+        q = queries(alloc, ids, 4, rows=rows)
+        check(tree_attention(q, alloc, ids, q_lens=q_lens), q, alloc, ids, q_lens=q_lens)
+        assert _plans[alloc][1].num_rows == rows
+
+
+@pytest.mark.parametrize("q_lens, error, match", [
+    (lambda ids: [1] * (len(ids) - 1), ValueError, "one count per branch"),
+    (lambda ids: [1] * (len(ids) - 1) + [-1], ValueError, r"q_lens\[\d+\] must be >= 0"),
+    (lambda ids: [1] * (len(ids) - 1) + [10**6], ValueError, "exceeds its branch's length"),
+    (lambda ids: [1.0] * len(ids), TypeError, r"q_lens\[0\] must be an int"),
+    (lambda ids: 3, TypeError, "q_lens must be a sequence"),
+    (lambda ids: [2] * len(ids), ValueError, r"q must be \[sum\(q_lens\)"),
+])
+def test_bad_q_lens_are_rejected_without_state_change(q_lens, error, match):
+    alloc, ids = forest("cpu", seed=14)
+    q = queries(alloc, ids, 4)
+    before = (alloc.tree_version, alloc.table_version, alloc.memory_report())
+    with pytest.raises(error, match=match):
+        tree_attention(q, alloc, ids, q_lens=q_lens(ids))
+    assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
+
+
 @pytest.mark.parametrize("chunk, separate, last", [(None, False, "tree_final"),
                                                    (8, False, "tree_final"),
                                                    (8, True, "tree_merge")])
@@ -713,6 +825,24 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
                                  _options=PlanOptions(separate_merge=separate, flat=flat,
                                                       final_lanes=lanes, one_tile=one_tile))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids)
+
+
+@gpu
+@settings(max_examples=30, deadline=None)
+@given(branches=st.integers(1, 200), depth=st.integers(1, 8), tokens=st.integers(0, 300),
+       group=st.sampled_from([1, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
+       dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype, seed):
+    kv_heads = 2 if head_dim == 256 else 4
+    alloc, ids = forest("cuda", num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                        branches=branches, depth=depth, tokens=tokens, seed=seed,
+                        block_size=16, roots=1 + seed % 2)
+    q_lens = random_q_lens(alloc, ids, seed)
+    q = queries(alloc, ids, group * kv_heads, seed, rows=sum(q_lens))
+    for separate in (None, True, False):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens,
+                                 _options=PlanOptions(separate_merge=separate))
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
 
 
 @gpu

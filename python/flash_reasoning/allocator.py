@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from . import kv_cache
-from .ops.checks import as_int, check_compiled, check_layer
-from .segment_tree import SegmentTree
+from .ops.checks import as_int, check_compiled, check_layer, check_q_lens
+from .segment_tree import SegmentTree, query_rows
 
 #: The reserved all-zero, read-only block backing every never-written position.
 ZERO_BLOCK = 0
@@ -271,6 +271,11 @@ class PhysicalKVAllocator:
     def length(self, branch_id: int) -> int:
         return int(self._lengths[self._row(branch_id)])
 
+    @_locked
+    def lengths(self, branch_ids: Sequence[int]) -> np.ndarray:
+        """Each branch's length (an int64 copy, on the host)."""
+        return self._lengths[self._rows(branch_ids)[1]].astype(np.int64)
+
     @property
     def tree_version(self) -> tuple[int, int]:
         """Changes whenever a segment tree may change other than by branches growing
@@ -323,15 +328,21 @@ class PhysicalKVAllocator:
         return view, rows
 
     @_locked
-    def segment_tree(self, branch_ids: Sequence[int]) -> SegmentTree:
+    def segment_tree(self, branch_ids: Sequence[int], q_lens=None) -> SegmentTree:
         """The tree of token ranges these live branches share (see :class:`SegmentTree`).
 
         Two branches share token ``t`` when their fork histories agree up to ``t`` (same
         ancestor wrote it, before either fork) *and* ``t`` lies in the same physical block in
         both tables, for every token before ``t`` as well; a block copied on write after the
-        fork is therefore no longer shared. Reads no KV data."""
+        fork is therefore no longer shared. Reads no KV data. With ``q_lens`` (query tokens
+        per branch, each at most its length) the tree's rows are the queries'
+        (``segment_tree.query_rows``): branch ``i`` named ``q_lens[i]`` times, its row ``j``
+        holding the tokens its query ``j`` attends causally."""
         ids, rows = self._distinct_rows(branch_ids)
         lengths = self._lengths[rows]
+        if q_lens is not None:
+            branch, offset = query_rows(check_q_lens(q_lens, lengths))
+            ids, rows, lengths = ids[branch], rows[branch], lengths[branch] + offset
         # With every token written the blocks alone tell sharing (a shared block is never
         # written, copy-on-write), as the C ABI reads it; 10x faster than the keys. Unwritten
         # tokens all map to the zero block whatever their history: then the keys tell.

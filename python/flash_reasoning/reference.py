@@ -40,12 +40,30 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
     return out
 
 
+def query_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    q_lens: list[int], sm_scale: float | None = None) -> torch.Tensor:
+    """Causal attention of several query tokens per sequence, in float64: sequence ``i``'s
+    last ``q_lens[i]`` positions are its new tokens, and its query ``j`` (row
+    ``sum(q_lens[:i]) + j`` of ``q``) attends to its positions below
+    ``len_i - q_lens[i] + j + 1``. One query per sequence is :func:`decode_attention`."""
+    rows_keys, rows_values = [], []
+    for k, v, n in zip(keys, values, q_lens):
+        context = k.shape[0] - n
+        rows_keys += [k[:context + j + 1] for j in range(n)]
+        rows_values += [v[:context + j + 1] for j in range(n)]
+    return decode_attention(q, rows_keys, rows_values, sm_scale)
+
+
 def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, sm_scale=None) -> torch.Tensor:
     """Reference for :func:`flash_reasoning.paged_decode`."""
+    return decode_attention(q, *gather_paths(k_pool, v_pool, block_tables, seq_lens), sm_scale)
+
+
+def gather_paths(k_pool, v_pool, block_tables, seq_lens):
+    """Each sequence's keys and values (:func:`gather_sequence`) -> two lists."""
     lengths = [int(n) for n in seq_lens.cpu()]
-    keys = [gather_sequence(k_pool, block_tables[i], n) for i, n in enumerate(lengths)]
-    values = [gather_sequence(v_pool, block_tables[i], n) for i, n in enumerate(lengths)]
-    return decode_attention(q, keys, values, sm_scale)
+    return ([gather_sequence(k_pool, block_tables[i], n) for i, n in enumerate(lengths)],
+            [gather_sequence(v_pool, block_tables[i], n) for i, n in enumerate(lengths)])
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -64,9 +82,14 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2,
              torch.float32: 2e-3}  # the CPU path's float32: held to fp16's bound
 
 
-def tree_attention(q, allocator, branch_ids, layer: int = 0, sm_scale=None) -> torch.Tensor:
+def tree_attention(q, allocator, branch_ids, layer: int = 0, sm_scale=None,
+                   q_lens=None) -> torch.Tensor:
     """Reference for :func:`flash_reasoning.tree_attention`: each branch's whole path read
-    through its own block table, as if nothing were shared."""
+    through its own block table, as if nothing were shared (``q_lens``:
+    :func:`query_attention`)."""
     tables, lengths = allocator.block_tables(branch_ids)
-    k_pool, v_pool = allocator.k_pools[layer], allocator.v_pools[layer]
-    return paged_decode(q, k_pool, v_pool, tables, lengths, sm_scale)
+    keys, values = gather_paths(allocator.k_pools[layer], allocator.v_pools[layer], tables,
+                                lengths)
+    if q_lens is None:
+        return decode_attention(q, keys, values, sm_scale)
+    return query_attention(q, keys, values, [int(n) for n in q_lens], sm_scale)

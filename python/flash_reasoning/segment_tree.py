@@ -90,6 +90,19 @@ class SegmentTree:
         return None if arrays is None else cls(branch_ids=_own_ids(branch_ids), **arrays)
 
 
+def query_rows(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of several query tokens per branch: branch ``i``'s ``q_lens[i]`` rows, in
+    branch order, row ``j`` of them holding its first ``length_i - q_lens[i] + j + 1`` tokens
+    (what its query ``j`` attends causally). Returns each row's branch index and the offset
+    of its length from its branch's (``j + 1 - q_lens[i]``, at most 0), so that the rows
+    follow their branches as they grow."""
+    counts = np.asarray(q_lens, np.int64)
+    branch = np.repeat(np.arange(counts.size), counts)
+    first = np.cumsum(counts) - counts
+    offset = np.arange(branch.size) - first[branch] + 1 - counts[branch]
+    return branch, offset
+
+
 def _own_ids(branch_ids) -> np.ndarray:
     """A read-only int64 copy of the caller's ids: engines refill their id buffers in place,
     and a tree (or a plan made from it) must keep naming the branches it was built for."""

@@ -1,12 +1,14 @@
 """The attention function registered in transformers' ``AttentionInterface`` as
 ``"tree_attention"``: decode steps through the cache's plan (one per step, ``run`` per layer),
-extend steps (several new tokens per row) by PyTorch SDPA over each row's path."""
+extend steps (several new tokens per row) through ``tree_attention`` with ``q_lens``, a
+prompt by PyTorch SDPA."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from ..ops.tree_attention import tree_attention
 from .cache import take_active
 from .support import ATTN_IMPLEMENTATION
 
@@ -86,27 +88,22 @@ def _check_call(cache, query, attention_mask, scaling, dropout, kwargs) -> None:
 
 
 def _extend_attention(cache, query, key, value, layer: int) -> torch.Tensor:
-    """Causal SDPA of each row's new tokens over its path (the new tokens included): rows
-    starting at 0 use the new K/V as given, others gather their path from the pool."""
-    _rows, heads, new, _head_dim = query.shape
+    """Causal attention of each row's new tokens over its path (the new tokens included).
+    Rows continuing a path (a continuation after a fork, a draft to verify): one
+    ``tree_attention`` call with ``q_lens``, each shared token read once for every row's
+    queries. A prompt (every row starting at 0, nothing stored to share): SDPA over the new
+    K/V as given."""
+    rows, heads, new, head_dim = query.shape
+    if not (cache.step_starts == 0).all():
+        q = query.transpose(1, 2).reshape(rows * new, heads, head_dim).contiguous()
+        out = tree_attention(q, cache.allocator, cache.branch_ids, layer,
+                             sm_scale=cache.sm_scale, q_lens=[new] * rows)
+        return out.view(rows, new, heads, head_dim)
     group = heads // cache.num_kv_heads
-    outs = []
-    for row, bid in enumerate(cache.branch_ids):
-        start = int(cache.step_starts[row])
-        if start == 0:
-            k, v = key[row], value[row]                                   # [kvh, new, d]
-            mask, causal = None, True
-        else:
-            k, v = (t.transpose(0, 1) for t in cache.path_kv(bid, layer, start + new))
-            positions = torch.arange(start + new, device=query.device)
-            mask = positions[None, :] <= (start + torch.arange(new, device=query.device))[:, None]
-            causal = False
-        out = F.scaled_dot_product_attention(
-            query[row:row + 1], k.repeat_interleave(group, 0)[None],
-            v.repeat_interleave(group, 0)[None], attn_mask=mask, is_causal=causal,
-            scale=cache.sm_scale)
-        outs.append(out)
-    return torch.cat(outs).transpose(1, 2).contiguous()
+    out = F.scaled_dot_product_attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+        is_causal=True, scale=cache.sm_scale)
+    return out.transpose(1, 2).contiguous()
 
 
 # What compiled models run outside their graphs: host-side work (the cache's rows, the pool's

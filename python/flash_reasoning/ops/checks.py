@@ -7,6 +7,7 @@ import math
 import numbers
 import operator
 
+import numpy as np
 import torch
 
 from .. import dispatch
@@ -93,3 +94,28 @@ def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.d
         raise ValueError(f"{name}'s data must be {POINTER_ALIGN}-byte aligned (the kernels "
                          f"assume it), got address {t.data_ptr():#x} (a view at an odd "
                          f"offset?); pass a copy")
+
+
+def check_q_lens(q_lens, lengths) -> np.ndarray:
+    """Query tokens per branch: a sequence of ints, one per branch (``lengths``, their
+    current lengths), each in ``[0, length]`` (a branch's queries are its last tokens) ->
+    a read-only int64 array."""
+    if isinstance(q_lens, torch.Tensor):
+        q_lens = q_lens.tolist()
+    if isinstance(q_lens, (str, bytes)) or not hasattr(q_lens, "__len__"):
+        raise TypeError(f"q_lens must be a sequence of ints (one per branch), got "
+                        f"{type(q_lens).__name__}")
+    counts = np.array([as_int(f"q_lens[{i}]", n, low=0) for i, n in enumerate(q_lens)],
+                      dtype=np.int64).reshape(-1)
+    lengths = np.asarray(lengths, np.int64)
+    if counts.size != lengths.size:
+        raise ValueError(f"q_lens must hold one count per branch ({lengths.size}), got "
+                         f"{counts.size}")
+    beyond = counts > lengths
+    if beyond.any():
+        i = int(np.argmax(beyond))
+        raise ValueError(f"q_lens[{i}] = {int(counts[i])} exceeds its branch's length "
+                         f"{int(lengths[i])}: a branch's queries are its last tokens, written "
+                         f"before the call")
+    counts.flags.writeable = False
+    return counts

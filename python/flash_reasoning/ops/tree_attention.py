@@ -21,7 +21,8 @@ import torch
 from .. import _core, log, planner, runtime, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import POINTER_ALIGN, Launch
-from .checks import as_int, check_compiled, check_layer, check_scale, check_tensor
+from ..segment_tree import query_rows
+from .checks import as_int, check_compiled, check_layer, check_q_lens, check_scale, check_tensor
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
@@ -35,19 +36,27 @@ class StalePlan(RuntimeError):
 
 class TreeAttentionPlan:
     """The work of one decode step over ``branch_ids`` of ``allocator``, for queries of
-    ``num_qo_heads`` heads (a multiple of the allocator's KV heads).
+    ``num_qo_heads`` heads (a multiple of the allocator's KV heads): one query per branch, or
+    with ``q_lens`` ``q_lens[i]`` queries for branch ``i``, its last ``q_lens[i]`` tokens
+    (an extend step, or a chain of draft tokens to verify), each attending causally: query
+    ``j`` to the branch's tokens below ``length - q_lens[i] + j + 1``.
 
     Valid while the allocator's :attr:`~PhysicalKVAllocator.tree_version` is unchanged:
     ``reserve``/``append`` steps keep it (``run`` picks up the new lengths and tables), any
     fork, free, prune or overwrite makes ``run`` raise :class:`StalePlan`. For a CUDA graph,
     capture ``run`` and call :meth:`refresh` before each replay that follows a decode step.
     The output is softmax attention with natural-log LSE merges (not base 2). The plan keeps
-    its own copy of ``branch_ids``. ``_options`` (a ``planner.PlanOptions``) forces the
-    planner's choices, for tests and the tuner.
+    its own copy of ``branch_ids`` (and ``q_lens``). ``_options`` (a ``planner.PlanOptions``)
+    forces the planner's choices, for tests and the tuner.
+
+    Several queries per branch are planned as one row each (``segment_tree.query_rows``): a
+    branch's context is read once for all its queries and all the branches sharing it, as
+    for decode rows; each query's own new tokens are read by its row.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
-                 num_qo_heads: int, sm_scale: float | None = None, *,
+                 num_qo_heads: int, sm_scale: float | None = None,
+                 q_lens: Sequence[int] | None = None, *,
                  _options: planner.PlanOptions | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
@@ -64,22 +73,27 @@ class TreeAttentionPlan:
             check_compiled("allocator", allocator.dtype, self.head_dim)
         self._context = _context_for(device, options)
         with allocator._lock:  # the tree and the tables of one moment, with their versions
-            tree = allocator.segment_tree(branch_ids)  # validates ids: alive, distinct
+            self.q_lens = None if q_lens is None else \
+                check_q_lens(q_lens, allocator.lengths(branch_ids))
+            tree = allocator.segment_tree(branch_ids, self.q_lens)  # ids: alive, distinct
             tables = _dense_tables(allocator, tree)
             self.tree_version = allocator.tree_version
             self._table_version = allocator.table_version
-        self.branch_ids = tree.branch_ids  # the tree's own read-only copy
+        # The tree's own read-only copy (its rows name a branch once per query with q_lens).
+        self.branch_ids = tree.branch_ids if q_lens is None else _read_only(branch_ids)
+        self.num_rows = int(tree.branch_ids.size)
         self.arch = self._context.arch if self._context is not None else None
         self.num_sms = options.num_sms or (self._context.num_sms if self._context else 1)
         self._core = _core.TreePlan(self._context, self._shape(), tree, tables,
                                     TABLE_HEADROOM_BLOCKS, options.core(), self.num_sms)
         self._make_workspace(device)
+        self._query_rows = None if q_lens is None else _device_query_rows(self.q_lens, device)
         if log.enabled():
             for kernel, _, _, rule, max_tokens, programs in self._core.launches:
                 log.kernel_picked(kernel, rule, max_tokens, programs, self.num_sms, self.arch)
         # What run's quick check compares against (None: a CPU plan, which takes the full one).
         self._cuda_index = device.index if device.type == "cuda" else None
-        self._io_shape = (self.num_branches, self.num_qo_heads, self.head_dim)
+        self._io_shape = (self.num_rows, self.num_qo_heads, self.head_dim)
         # The allocator's pools are allocated once and never replaced: their pointers per layer.
         self._pool_pointers = [(k.data_ptr(), v.data_ptr())
                                for k, v in zip(allocator.k_pools, allocator.v_pools)]
@@ -129,6 +143,9 @@ class TreeAttentionPlan:
         with alloc._lock:
             tables, lengths = alloc.block_tables(self.branch_ids)
             version = alloc.table_version
+        if self._query_rows is not None:  # each query's row: its branch's, causally shorter
+            branch, offset = self._query_rows
+            tables, lengths = tables[branch], lengths[branch] + offset
         if tables.shape[1] > self.tables.shape[1]:
             raise StalePlan(f"branches grew past the plan's {self.tables.shape[1]} table "
                             f"columns ({tables.shape[1]} needed); build a new plan")
@@ -138,13 +155,14 @@ class TreeAttentionPlan:
 
     def run(self, q: torch.Tensor, layer: int = 0, out: torch.Tensor | None = None
             ) -> torch.Tensor:
-        """Attention of ``q[i]`` (``[num_branches, num_qo_heads, head_dim]``, the pool's
-        dtype) over branch ``branch_ids[i]`` in ``layer``; returns ``out``."""
+        """Attention of ``q[i]`` (``[num_rows, num_qo_heads, head_dim]``, the pool's dtype)
+        over branch ``branch_ids[i]`` in ``layer`` (with ``q_lens``: rows grouped by branch,
+        ``q_lens[i]`` rows for branch ``i``); returns ``out``."""
         if not self._quick_check(q, layer, out):
             self._validate(q, layer, out)  # raises, saying what is wrong (or passes a subclass)
         self.refresh()
         out = torch.empty_like(q) if out is None else out
-        if not self.num_branches:
+        if not self.num_rows:
             return out
         if q.is_cuda:
             k_pool, v_pool = self._pool_pointers[layer]
@@ -182,7 +200,7 @@ class TreeAttentionPlan:
         view = {name: self.workspace[offset:offset + size]
                 for name, (offset, size) in core.regions.items()}
         entries = core.regions["partial_lse"][1] // (4 * self.num_qo_heads)
-        self.tables = view["tables"].view(torch.int32).view(self.num_branches, core.max_blocks)
+        self.tables = view["tables"].view(torch.int32).view(self.num_rows, core.max_blocks)
         self.lengths = view["lengths"].view(torch.int32)
         self.partial_out = view["partial_out"].view(torch.float32).view(
             entries, self.num_qo_heads, self.head_dim)
@@ -217,7 +235,8 @@ class TreeAttentionPlan:
                 continue
             check_tensor(name, t, alloc.dtype, alloc.device, "the allocator")
             if tuple(t.shape) != self._io_shape:
-                raise ValueError(f"{name} must be [num_branches, num_qo_heads, head_dim] = "
+                rows = "num_branches" if self.q_lens is None else "sum(q_lens)"
+                raise ValueError(f"{name} must be [{rows}, num_qo_heads, head_dim] = "
                                  f"{self._io_shape}, got {tuple(t.shape)}")
         check_layer(layer, alloc.num_layers)
 
@@ -233,6 +252,20 @@ def _context_for(device: torch.device, options: planner.PlanOptions):
     return runtime.host_context(options.arch, options.num_sms or _core.HOST_ONLY_SMS)
 
 
+def _read_only(branch_ids) -> np.ndarray:
+    ids = np.array(branch_ids, dtype=np.int64, copy=True)
+    ids.flags.writeable = False
+    return ids
+
+
+def _device_query_rows(q_lens: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``segment_tree.query_rows`` on the plan's device: what ``refresh`` gathers each query
+    row's table and length with (no host round trip)."""
+    branch, offset = query_rows(q_lens)
+    return (torch.from_numpy(branch).to(device),
+            torch.from_numpy(offset.astype(np.int32)).to(device))
+
+
 def _dense_tables(allocator: PhysicalKVAllocator, tree) -> np.ndarray:
     """The branches' block tables from the allocator's host mirror, one int32 row each (in
     the tree's branch order) of the columns its longest branch covers."""
@@ -246,10 +279,17 @@ _plans: weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple] = weakref.WeakKeyD
 
 def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                    layer: int = 0, out: torch.Tensor | None = None,
-                   sm_scale: float | None = None) -> torch.Tensor:
+                   sm_scale: float | None = None,
+                   q_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Decode attention of one query token per branch over its whole path in ``allocator``:
     ``q`` is ``[len(branch_ids), num_qo_heads, head_dim]``; returns the same shape in q's
     dtype. Shared tokens are read once for all the branches below them.
+
+    ``q_lens``: several queries per branch (an extend step, a chain of draft tokens):
+    ``q`` is ``[sum(q_lens), num_qo_heads, head_dim]``, rows grouped by branch in
+    ``branch_ids`` order; branch ``i``'s last ``q_lens[i]`` tokens (written before the call)
+    are its queries' and its query ``j`` attends causally, to the branch's tokens below
+    ``length_i - q_lens[i] + j + 1``.
 
     Keeps the last plan per allocator (never keeping the allocator alive) and reuses it while
     the branches, their tree and the head count are unchanged (the layers of one step, and
@@ -264,12 +304,13 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     ids = np.asarray(branch_ids)
     cached = _plans.get(allocator) if isinstance(allocator, PhysicalKVAllocator) else None
     if cached is not None and cached[0] == (q.shape[1], sm_scale) and _same_ids(cached[1], ids) \
+            and _same_q_lens(cached[1], q_lens) \
             and cached[1].tree_version == allocator.tree_version:
         try:
             return cached[1].run(q, layer, out)
         except StalePlan:  # the branches outgrew its tables: plan again
             pass
-    plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale)
+    plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale, q_lens)
     out = plan.run(q, layer, out)
     _plans[allocator] = ((q.shape[1], sm_scale), plan._weakly_held())  # only a plan that ran
     return out
@@ -279,6 +320,15 @@ def _same_ids(plan: TreeAttentionPlan, ids: np.ndarray) -> bool:
     """Whether ``ids`` are the plan's branches, in order (vectorised: no loop per branch)."""
     return ids.dtype.kind in "iu" and ids.shape == plan.branch_ids.shape and \
         bool((ids == plan.branch_ids).all())
+
+
+def _same_q_lens(plan: TreeAttentionPlan, q_lens) -> bool:
+    """Whether ``q_lens`` are the plan's (both None, or the same counts)."""
+    if plan.q_lens is None or q_lens is None:
+        return plan.q_lens is None and q_lens is None
+    counts = np.asarray(q_lens.cpu() if isinstance(q_lens, torch.Tensor) else q_lens)
+    return counts.dtype.kind in "iu" and counts.shape == plan.q_lens.shape and \
+        bool((counts == plan.q_lens).all())
 
 
 def _check_heads(num_qo_heads, num_kv_heads: int) -> int:

@@ -175,11 +175,13 @@ def case_spec(case: dict) -> TreeSpec:
 
 
 def case_allocator(case: dict, device: str = "cuda", block_size: int = 16, seed: int = 0,
-                   random: bool = True) -> tuple[PhysicalKVAllocator, list[int]]:
+                   random: bool = True, spare_blocks: int = 0
+                   ) -> tuple[PhysicalKVAllocator, list[int]]:
     """The case's tree in a fresh allocator, random K/V in every node (zeros, made on the
-    device at once, when only timing matters: ``random=False``); returns the leaves."""
+    device at once, when only timing matters: ``random=False``); returns the leaves. The pool
+    holds ``spare_blocks`` free blocks beyond the tree's (for tokens added after)."""
     spec = case_spec(case)
-    blocks = int((-(-spec.seqlen // block_size) + 1).sum()) + 1
+    blocks = int((-(-spec.seqlen // block_size) + 1).sum()) + 1 + spare_blocks
     alloc = PhysicalKVAllocator(blocks, block_size, case["num_kv_heads"], case["head_dim"],
                                 dtype=dtype_of(case), device=device)
     gen = torch.Generator().manual_seed(seed)
