@@ -184,7 +184,7 @@ def case_allocator(case: dict, device: str = "cuda", block_size: int = 16, seed:
     blocks = int((-(-spec.seqlen // block_size) + 1).sum()) + 1 + spare_blocks
     alloc = PhysicalKVAllocator(blocks, block_size, case["num_kv_heads"], case["head_dim"],
                                 dtype=dtype_of(case), device=device)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def fill(node, layer, n):
         if random:

@@ -39,11 +39,13 @@ def paged_problem(seq_lens: list[int], num_qo_heads: int, num_kv_heads: int, hea
 
 
 def random_kv(allocator, gen: torch.Generator, num_tokens: int):
-    """``num_tokens`` random K and V rows in the allocator's dtype (on its device)."""
+    """``num_tokens`` random K and V rows in the allocator's dtype (on its device), drawn on
+    the generator's device (a CUDA generator fills a large tree's pools in moments)."""
     shape = (num_tokens, allocator.num_kv_heads, allocator.head_dim)
-    k = torch.randn(shape, generator=gen).to(allocator.dtype).to(allocator.device)
-    v = torch.randn(shape, generator=gen).to(allocator.dtype).to(allocator.device)
-    return k, v
+    k = torch.randn(shape, generator=gen, device=gen.device)
+    v = torch.randn(shape, generator=gen, device=gen.device)
+    return (k.to(allocator.dtype).to(allocator.device),
+            v.to(allocator.dtype).to(allocator.device))
 
 
 def random_branches(allocator, num_branches: int, max_depth: int, max_tokens: int,
