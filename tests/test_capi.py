@@ -624,6 +624,34 @@ def test_planner_agrees_with_python(api, host_context, seed):
     api.lib.frPlanDestroy(plan)
 
 
+def query_row_problem(alloc, ids, q_lens, num_qo_heads: int) -> Problem:
+    """Several queries per branch as the C ABI takes them (capi.md): one row per query, its
+    branch's block table, its causal length."""
+    from flash_reasoning.segment_tree import query_rows
+    tables, lengths = alloc.block_tables(ids)
+    branch, offset = query_rows(np.asarray(q_lens))
+    problem = allocator_problem(alloc, ids, num_qo_heads)
+    return Problem(lengths.cpu().numpy()[branch] + offset, tables.cpu().numpy()[branch],
+                   extra=2, shape=problem.shape)
+
+
+def test_query_rows_plan_as_python_plans_q_lens(api, host_context):
+    """A frTree of query rows is planned as Python plans the same q_lens."""
+    from flash_reasoning import TreeAttentionPlan
+    alloc, ids = seed_like_tree(torch.float16, 64, device="cpu")
+    q_lens = [(i * 7) % 13 for i in range(len(ids))]
+    rc, msg, plan = api.plan(host_context, query_row_problem(alloc, ids, q_lens, 8))
+    assert rc == FR_OK, msg
+    python = TreeAttentionPlan(alloc, ids, 8, q_lens=q_lens, _options=PlanOptions(num_sms=132))
+    tree = alloc.segment_tree(ids, q_lens)
+    info = api.info(plan)
+    assert (info["num_branches"], info["num_nodes"], info["computed_nodes"],
+            info["num_launches"], info["logical_tokens"]) == (
+        sum(q_lens), tree.num_nodes, python.arrays.stats["computed_nodes"],
+        len(python.arrays.items) + 1, int(tree.lengths.sum()))
+    api.lib.frPlanDestroy(plan)
+
+
 @pytest.mark.parametrize("seq_lens", [[3000, 40], [100] * 200])
 def test_paged_decode_workspace_size_agrees_with_python(api, host_context, seq_lens):
     shape, max_blocks = SEED_SHAPE, -(-max(seq_lens) // 16)
@@ -1040,6 +1068,22 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
     assert rc == FR_OK, msg
     q = torch.randn(len(ids), num_qo_heads, head_dim, device="cuda").to(dtype)
     assert_matches_python(run_plan(api, plan, alloc, q), q, alloc, ids)
+    api.lib.frPlanDestroy(plan)
+
+
+@gpu
+def test_gpu_query_rows_match_the_reference(api, gpu_context):
+    from flash_reasoning.tools.synthetic import random_kv
+    alloc, ids = seed_like_tree(torch.float16, 128)
+    alloc.append(alloc.reserve(ids, 24), 0,
+                 *random_kv(alloc, torch.Generator().manual_seed(2), 24 * len(ids)))
+    q_lens = [(i * 5) % 25 for i in range(len(ids))]
+    rc, msg, plan = api.plan(gpu_context, query_row_problem(alloc, ids, q_lens, 32))
+    assert rc == FR_OK, msg
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda").half()
+    out = run_plan(api, plan, alloc, q)
+    expected = reference.tree_attention(q, alloc, ids, q_lens=q_lens)
+    assert reference.relative_error(out, expected) < reference.TOLERANCE[q.dtype]
     api.lib.frPlanDestroy(plan)
 
 
