@@ -651,34 +651,66 @@ def test_query_reference_is_causal_attention():
             v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=allowed, scale=0.3)
         assert torch.allclose(got[first:first + n], expected.transpose(0, 1), atol=1e-12)
         first += n
+    one = q[:2]  # one query per sequence: decode attention
+    assert torch.allclose(reference.query_attention(one, keys, values, [1, 1], 0.3),
+                          reference.decode_attention(one, keys, values, 0.3), atol=1e-12)
 
 
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(2, 2), (8, 2), (16, 1)])
 @pytest.mark.parametrize("separate", [False, True])
-def test_q_lens_interpreted(dtype, heads, separate):
+@pytest.mark.parametrize("query_block", [1, 4, None])
+def test_q_lens_interpreted(dtype, heads, separate, query_block):
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=120, seed=heads[0],
                         branches=8)
     q_lens = random_q_lens(alloc, ids, heads[0], most=24)
     q = queries(alloc, ids, heads[0], rows=sum(q_lens))
-    plan, out = interpret(alloc, ids, q, q_lens=q_lens, target_chunk=16, separate_merge=separate)
+    plan, out = interpret(alloc, ids, q, q_lens=q_lens, target_chunk=16, separate_merge=separate,
+                          query_block=query_block)
     assert plan.arrays.num_entries > 0 and plan.num_rows == sum(q_lens)
     check(out, q, alloc, ids, q_lens=q_lens)
+
+
+def test_query_blocks_are_planned_as_shared_nodes():
+    """Rows planned with their new tokens rounded down to blocks of queries: a block's
+    queries share the blocks before it, so the tree has a node per block (and the rows are
+    the same causal rows at run time)."""
+    from flash_reasoning.segment_tree import query_rows
+    branch, exact = query_rows(np.array([5, 0, 3]))
+    assert branch.tolist() == [0, 0, 0, 0, 0, 2, 2, 2]
+    assert exact.tolist() == [-4, -3, -2, -1, 0, -2, -1, 0]
+    assert query_rows(np.array([5, 0, 3]), block=2)[1].tolist() == [-5, -3, -3, -1, -1,
+                                                                    -3, -1, -1]
+    alloc, ids = forest("cpu", seed=15, tokens=40)
+    alloc.append(alloc.reserve(ids, 16), 0, *random_kv(alloc, torch.Generator(), 16 * len(ids)))
+    q_lens = [16] * len(ids)
+    blocks = alloc.segment_tree(ids, q_lens, query_block=4)
+    chain = alloc.segment_tree(ids, q_lens)
+    assert blocks.num_nodes < chain.num_nodes and (blocks.lengths <= chain.lengths).all()
+    q = queries(alloc, ids, 4, rows=16 * len(ids))
+    for block in (1, 4, 16, 64):
+        plan = TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens,
+                                 _options=PlanOptions(query_block=block))
+        assert plan.lengths.tolist() == chain.lengths.tolist()  # the rows' causal lengths
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
 
 
 @settings(max_examples=30, deadline=None)
 @given(branches=st.integers(1, 20), depth=st.integers(1, 8), tokens=st.integers(0, 40),
        group=st.sampled_from([1, 4, 16]), merge=st.sampled_from([None, False, True]),
-       lanes=st.sampled_from([None, 1, 4]), seed=st.integers(0, 2**16))
-def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, lanes, seed):
+       lanes=st.sampled_from([None, 1, 4]), block=st.sampled_from([None, 1, 3, 8]),
+       seed=st.integers(0, 2**16))
+def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, lanes, block,
+                                        seed):
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, branches=branches, depth=depth,
                         tokens=tokens, seed=seed, block_size=4, roots=1 + seed % 3)
     q_lens = random_q_lens(alloc, ids, seed)
     q = queries(alloc, ids, group, seed, rows=sum(q_lens))
-    lanes = None if merge else lanes
+    lanes = None if merge or lanes is None else min(lanes, 32 // group)  # the wide tile's
     plan = TreeAttentionPlan(alloc, ids, group, q_lens=q_lens,
-                             _options=PlanOptions(separate_merge=merge, final_lanes=lanes))
+                             _options=PlanOptions(separate_merge=merge, final_lanes=lanes,
+                                                  query_block=block))
     check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
 
 
@@ -839,9 +871,10 @@ def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype
                         block_size=16, roots=1 + seed % 2)
     q_lens = random_q_lens(alloc, ids, seed)
     q = queries(alloc, ids, group * kv_heads, seed, rows=sum(q_lens))
-    for separate in (None, True, False):
+    for separate, block in ((None, None), (True, 8), (False, 1), (None, 16)):
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens,
-                                 _options=PlanOptions(separate_merge=separate))
+                                 _options=PlanOptions(separate_merge=separate,
+                                                      query_block=block))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
 
 

@@ -328,7 +328,8 @@ class PhysicalKVAllocator:
         return view, rows
 
     @_locked
-    def segment_tree(self, branch_ids: Sequence[int], q_lens=None) -> SegmentTree:
+    def segment_tree(self, branch_ids: Sequence[int], q_lens=None,
+                     query_block: int = 1) -> SegmentTree:
         """The tree of token ranges these live branches share (see :class:`SegmentTree`).
 
         Two branches share token ``t`` when their fork histories agree up to ``t`` (same
@@ -336,12 +337,14 @@ class PhysicalKVAllocator:
         both tables, for every token before ``t`` as well; a block copied on write after the
         fork is therefore no longer shared. Reads no KV data. With ``q_lens`` (query tokens
         per branch, each at most its length) the tree's rows are the queries'
-        (``segment_tree.query_rows``): branch ``i`` named ``q_lens[i]`` times, its row ``j``
-        holding the tokens its query ``j`` attends causally."""
+        (``segment_tree.query_rows``, rounded to ``query_block``): branch ``i`` named
+        ``q_lens[i]`` times, its row ``j`` holding the tokens its query ``j`` attends
+        causally."""
         ids, rows = self._distinct_rows(branch_ids)
         lengths = self._lengths[rows]
         if q_lens is not None:
-            branch, offset = query_rows(check_q_lens(q_lens, lengths))
+            branch, offset = query_rows(check_q_lens(q_lens, lengths),
+                                        as_int("query_block", query_block, low=1))
             ids, rows, lengths = ids[branch], rows[branch], lengths[branch] + offset
         # With every token written the blocks alone tell sharing (a shared block is never
         # written, copy-on-write), as the C ABI reads it; 10x faster than the keys. Unwritten
@@ -818,7 +821,10 @@ class PhysicalKVAllocator:
         # Each segment's ancestor holds from its start column on: cumsum of the changes.
         change = seg_anc - np.where(seg_start > 0, np.roll(seg_anc, 1), 0)
         delta = np.zeros((ids.size, breaks.size), np.int64)
-        np.add.at(delta, (seg_row, np.searchsorted(breaks, seg_start)), change)
+        # A segment past every row's end (a query row is shorter than its branch) keys nothing.
+        inside = seg_start <= breaks[-1]
+        np.add.at(delta, (seg_row[inside], np.searchsorted(breaks, seg_start[inside])),
+                  change[inside])
         ancestor = np.cumsum(delta, axis=1)
         cols = np.minimum(breaks // self.block_size, self._tables.shape[1] - 1)
         blocks = self._tables[rows[:, None], cols[None, :]]

@@ -46,8 +46,10 @@ class PlanOptions:
     tile's rows over the GQA group); ``one_tile`` (every item in the wide tile, or each in its
     own); ``early_final`` (the last launch starts at the partial launch's start); ``host_nodes``
     (``False``: every computed node has items of its own); ``slot_runs`` (``False``: the page
-    kernels only). ``arch`` and ``num_sms`` plan a CPU allocator's launches for that arch and SM
-    count (the interpreter), or a GPU plan for another SM count."""
+    kernels only); ``query_block`` (a several-query plan's rows rounded to it:
+    ``ops.tree_attention.QUERY_BLOCK``). ``arch`` and ``num_sms`` plan a CPU allocator's
+    launches for that arch and SM count (the interpreter), or a GPU plan for another SM
+    count."""
     target_chunk: int | None = None
     separate_merge: bool | None = None
     flat: bool | None = None
@@ -56,6 +58,7 @@ class PlanOptions:
     early_final: bool | None = None
     host_nodes: bool | None = None
     slot_runs: bool | None = None
+    query_block: int | None = None
     arch: str | None = None
     num_sms: int | None = None
 
@@ -64,7 +67,7 @@ class PlanOptions:
             value = getattr(self, name)
             if value is not None and type(value) is not bool:
                 raise TypeError(f"{name} must be True, False or None, got {value!r}")
-        for name in ("target_chunk", "final_lanes", "num_sms"):
+        for name in ("target_chunk", "final_lanes", "num_sms", "query_block"):
             if getattr(self, name) is not None:
                 as_int(name, getattr(self, name), low=1)
         if self.arch is not None and not isinstance(self.arch, str):

@@ -46,12 +46,22 @@ def query_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torc
     last ``q_lens[i]`` positions are its new tokens, and its query ``j`` (row
     ``sum(q_lens[:i]) + j`` of ``q``) attends to its positions below
     ``len_i - q_lens[i] + j + 1``. One query per sequence is :func:`decode_attention`."""
-    rows_keys, rows_values = [], []
+    num_qo_heads, head_dim = q.shape[1:]
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    first = 0
     for k, v, n in zip(keys, values, q_lens):
-        context = k.shape[0] - n
-        rows_keys += [k[:context + j + 1] for j in range(n)]
-        rows_values += [v[:context + j + 1] for j in range(n)]
-    return decode_attention(q, rows_keys, rows_values, sm_scale)
+        rows, first = slice(first, first + n), first + n
+        if n == 0:
+            continue
+        length, group = k.shape[0], num_qo_heads // k.shape[1]
+        k = k.cpu().double().repeat_interleave(group, dim=1)
+        v = v.cpu().double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("jhd,lhd->hjl", q[rows].cpu().double(), k) * scale
+        ends = length - n + torch.arange(1, n + 1)  # query j sees positions below ends[j]
+        scores.masked_fill_(torch.arange(length) >= ends[:, None], float("-inf"))
+        out[rows] = torch.einsum("hjl,lhd->jhd", torch.softmax(scores, dim=-1), v)
+    return out
 
 
 def paged_decode(q, k_pool, v_pool, block_tables, seq_lens, sm_scale=None) -> torch.Tensor:

@@ -90,17 +90,22 @@ class SegmentTree:
         return None if arrays is None else cls(branch_ids=_own_ids(branch_ids), **arrays)
 
 
-def query_rows(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def query_rows(q_lens: np.ndarray, block: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The rows of several query tokens per branch: branch ``i``'s ``q_lens[i]`` rows, in
     branch order, row ``j`` of them holding its first ``length_i - q_lens[i] + j + 1`` tokens
     (what its query ``j`` attends causally). Returns each row's branch index and the offset
     of its length from its branch's (``j + 1 - q_lens[i]``, at most 0), so that the rows
-    follow their branches as they grow."""
+    follow their branches as they grow.
+
+    ``block`` > 1 rounds each row's new tokens down to a multiple of ``block``
+    (``(j + 1) // block * block``): the rows a plan is built on, so that the queries of a block
+    share the new tokens before it as a node; each row then grows to its causal length at run
+    time, into its plan's final range, as decode rows grow."""
     counts = np.asarray(q_lens, np.int64)
     branch = np.repeat(np.arange(counts.size), counts)
     first = np.cumsum(counts) - counts
-    offset = np.arange(branch.size) - first[branch] + 1 - counts[branch]
-    return branch, offset
+    new = (np.arange(branch.size) - first[branch] + 1) // block * block
+    return branch, new - counts[branch]
 
 
 def _own_ids(branch_ids) -> np.ndarray:

@@ -28,6 +28,13 @@ from .checks import as_int, check_compiled, check_layer, check_q_lens, check_sca
 #: this many blocks before the plan must be rebuilt.
 TABLE_HEADROOM_BLOCKS = 64
 
+#: Queries per block of a several-query plan (``segment_tree.query_rows``): each query's row
+#: is planned with its new tokens rounded down to a multiple of this, so a block's queries
+#: share the new tokens before it (computed once for the block, or folded, as the cost model
+#: finds) and each reads at most this many of its own at run time. One token per row made a
+#: chain the planner folded into every row: each query read all the new tokens before it.
+QUERY_BLOCK = 64
+
 
 class StalePlan(RuntimeError):
     """The allocator's tree changed since the plan was built (a branch was forked, freed,
@@ -73,21 +80,30 @@ class TreeAttentionPlan:
             check_compiled("allocator", allocator.dtype, self.head_dim)
         self._context = _context_for(device, options)
         with allocator._lock:  # the tree and the tables of one moment, with their versions
-            self.q_lens = None if q_lens is None else \
-                check_q_lens(q_lens, allocator.lengths(branch_ids))
-            tree = allocator.segment_tree(branch_ids, self.q_lens)  # ids: alive, distinct
-            tables = _dense_tables(allocator, tree)
+            lengths = allocator.lengths(branch_ids)
+            self.q_lens = None if q_lens is None else check_q_lens(q_lens, lengths)
+            tree = allocator.segment_tree(branch_ids, self.q_lens,  # ids: alive, distinct
+                                          options.query_block or QUERY_BLOCK)
+            tables = _dense_tables(allocator, tree, int(lengths.max(initial=0)))
             self.tree_version = allocator.tree_version
-            self._table_version = allocator.table_version
+            # A several-query plan's rows were planned shorter (QUERY_BLOCK): its first
+            # refresh (below) writes their lengths.
+            self._table_version = allocator.table_version if q_lens is None else None
         # The tree's own read-only copy (its rows name a branch once per query with q_lens).
         self.branch_ids = tree.branch_ids if q_lens is None else _read_only(branch_ids)
         self.num_rows = int(tree.branch_ids.size)
         self.arch = self._context.arch if self._context is not None else None
         self.num_sms = options.num_sms or (self._context.num_sms if self._context else 1)
-        self._core = _core.TreePlan(self._context, self._shape(), tree, tables,
-                                    TABLE_HEADROOM_BLOCKS, options.core(), self.num_sms)
+        # The core sizes its tables from the rows' lengths: a query row may be shorter than
+        # its branch, whose columns the plan must hold too.
+        planned = -(-int(tree.lengths.max(initial=0)) // allocator.block_size)
+        headroom = TABLE_HEADROOM_BLOCKS + max(0, tables.shape[1] - planned)
+        self._core = _core.TreePlan(self._context, self._shape(), tree, tables, headroom,
+                                    options.core(), self.num_sms)
         self._make_workspace(device)
         self._query_rows = None if q_lens is None else _device_query_rows(self.q_lens, device)
+        if q_lens is not None:
+            self.refresh()
         if log.enabled():
             for kernel, _, _, rule, max_tokens, programs in self._core.launches:
                 log.kernel_picked(kernel, rule, max_tokens, programs, self.num_sms, self.arch)
@@ -266,11 +282,12 @@ def _device_query_rows(q_lens: np.ndarray, device: torch.device) -> tuple[torch.
             torch.from_numpy(offset.astype(np.int32)).to(device))
 
 
-def _dense_tables(allocator: PhysicalKVAllocator, tree) -> np.ndarray:
-    """The branches' block tables from the allocator's host mirror, one int32 row each (in
-    the tree's branch order) of the columns its longest branch covers."""
+def _dense_tables(allocator: PhysicalKVAllocator, tree, longest: int) -> np.ndarray:
+    """The tree's rows' block tables from the allocator's host mirror, one int32 row each (in
+    the tree's row order) of the columns the ``longest`` branch covers (a query row may be
+    planned shorter than its branch)."""
     mirror, rows = allocator.host_tables(tree.branch_ids)
-    columns = max(1, -(-int(tree.lengths.max(initial=0)) // allocator.block_size))
+    columns = max(1, -(-longest // allocator.block_size))
     return mirror[rows, :columns].astype(np.int32)
 
 
