@@ -25,7 +25,8 @@ class SegmentTree:
     ``order[node_lo[v]:node_hi[v]]`` (contiguous, because ``order`` is a DFS order of the rows).
     Row ``i``'s path runs from a root to ``end_node[i]`` (the node ending at its length; ``-1``
     for an empty branch): ``path_nodes[path_ptr[i]:path_ptr[i + 1]]``. A branch may end at an
-    inner node (another branch extends it).
+    inner node (another branch extends it). A tree of query rows (:func:`query_rows`) names a
+    branch once per query.
     """
     branch_ids: np.ndarray
     lengths: np.ndarray
@@ -74,7 +75,7 @@ class SegmentTree:
         the C++ core that the C ABI also uses: ``csrc/planner/segment_tree.cc``).
         """
         arrays = _core.segment_tree(lengths, breaks, keys)
-        return cls(branch_ids=_own_ids(branch_ids), **arrays)
+        return cls(branch_ids=own_ids(branch_ids), **arrays)
 
     @classmethod
     def from_tables(cls, branch_ids: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
@@ -87,7 +88,7 @@ class SegmentTree:
         ``unwritten_block`` (the allocator's zero block: reading it says nothing of sharing)."""
         arrays = _core.segment_tree_from_tables(lengths, tables, block_size, rows,
                                                     unwritten_block)
-        return None if arrays is None else cls(branch_ids=_own_ids(branch_ids), **arrays)
+        return None if arrays is None else cls(branch_ids=own_ids(branch_ids), **arrays)
 
 
 def query_rows(q_lens: np.ndarray, block: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -108,7 +109,7 @@ def query_rows(q_lens: np.ndarray, block: int = 1) -> tuple[np.ndarray, np.ndarr
     return branch, new - counts[branch]
 
 
-def _own_ids(branch_ids) -> np.ndarray:
+def own_ids(branch_ids) -> np.ndarray:
     """A read-only int64 copy of the caller's ids: engines refill their id buffers in place,
     and a tree (or a plan made from it) must keep naming the branches it was built for."""
     ids = np.array(branch_ids, dtype=np.int64, copy=True)

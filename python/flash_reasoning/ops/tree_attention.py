@@ -21,7 +21,7 @@ import torch
 from .. import _core, log, planner, runtime, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import POINTER_ALIGN, Launch
-from ..segment_tree import query_rows
+from ..segment_tree import own_ids, query_rows
 from .checks import as_int, check_compiled, check_layer, check_q_lens, check_scale, check_tensor
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
@@ -56,9 +56,10 @@ class TreeAttentionPlan:
     its own copy of ``branch_ids`` (and ``q_lens``). ``_options`` (a ``planner.PlanOptions``)
     forces the planner's choices, for tests and the tuner.
 
-    Several queries per branch are planned as one row each (``segment_tree.query_rows``): a
-    branch's context is read once for all its queries and all the branches sharing it, as
-    for decode rows; each query's own new tokens are read by its row.
+    Several queries per branch are planned as one row each (``segment_tree.query_rows``), in
+    blocks of :data:`QUERY_BLOCK` queries: a branch's context is read once for all its queries
+    and all the branches sharing it, as for decode rows, each block's new tokens once for the
+    later blocks, and each query reads its own block's new tokens itself.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
@@ -90,7 +91,7 @@ class TreeAttentionPlan:
             # refresh (below) writes their lengths.
             self._table_version = allocator.table_version if q_lens is None else None
         # The tree's own read-only copy (its rows name a branch once per query with q_lens).
-        self.branch_ids = tree.branch_ids if q_lens is None else _read_only(branch_ids)
+        self.branch_ids = tree.branch_ids if q_lens is None else own_ids(branch_ids)
         self.num_rows = int(tree.branch_ids.size)
         self.arch = self._context.arch if self._context is not None else None
         self.num_sms = options.num_sms or (self._context.num_sms if self._context else 1)
@@ -266,12 +267,6 @@ def _context_for(device: torch.device, options: planner.PlanOptions):
     if options.arch is None:
         return None
     return runtime.host_context(options.arch, options.num_sms or _core.HOST_ONLY_SMS)
-
-
-def _read_only(branch_ids) -> np.ndarray:
-    ids = np.array(branch_ids, dtype=np.int64, copy=True)
-    ids.flags.writeable = False
-    return ids
 
 
 def _device_query_rows(q_lens: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
