@@ -2,25 +2,17 @@
 agree, the tree path stores the shared prompt once, and the JSON and figure are written."""
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import load_benchmark
+
 pytest.importorskip("transformers")
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "generation.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("generation_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_smoke_run_writes_json_and_figure(tmp_path):
-    bench = load_benchmark()
+    bench = load_benchmark("generation")
     out, fig = tmp_path / "gen.json", tmp_path / "gen.png"
     threads = torch.get_num_threads()
     try:

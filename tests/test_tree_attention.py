@@ -835,17 +835,21 @@ def test_non_finite_scale_is_rejected():
 
 # ---- on the GPU -------------------------------------------------------------------------------
 
+def gpu_forest(branches, depth, tokens, head_dim, dtype, seed):
+    """A random forest on the GPU, 4 KV heads (2 at head_dim 256)."""
+    return forest("cuda", num_kv_heads=2 if head_dim == 256 else 4, head_dim=head_dim,
+                  dtype=dtype, branches=branches, depth=depth, tokens=tokens, seed=seed,
+                  block_size=16, roots=1 + seed % 2)
+
+
 @gpu
 @settings(max_examples=40, deadline=None)
 @given(branches=st.integers(1, 300), depth=st.integers(1, 10), tokens=st.integers(0, 300),
        group=st.sampled_from([1, 2, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed):
-    kv_heads = 2 if head_dim == 256 else 4
-    alloc, ids = forest("cuda", num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                        branches=branches, depth=depth, tokens=tokens, seed=seed,
-                        block_size=16, roots=1 + seed % 2)
-    q = queries(alloc, ids, group * kv_heads, seed)
+    alloc, ids = gpu_forest(branches, depth, tokens, head_dim, dtype, seed)
+    q = queries(alloc, ids, group * alloc.num_kv_heads, seed)
     auto = TreeAttentionPlan(alloc, ids, q.shape[1]).arrays
     most_lanes = max(1, 16 // group)  # the narrow final tile's; the wide one holds twice
     for separate, flat, lanes, one_tile in (
@@ -865,12 +869,9 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
        group=st.sampled_from([1, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype, seed):
-    kv_heads = 2 if head_dim == 256 else 4
-    alloc, ids = forest("cuda", num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                        branches=branches, depth=depth, tokens=tokens, seed=seed,
-                        block_size=16, roots=1 + seed % 2)
+    alloc, ids = gpu_forest(branches, depth, tokens, head_dim, dtype, seed)
     q_lens = random_q_lens(alloc, ids, seed)
-    q = queries(alloc, ids, group * kv_heads, seed, rows=sum(q_lens))
+    q = queries(alloc, ids, group * alloc.num_kv_heads, seed, rows=sum(q_lens))
     for separate, block in ((None, None), (True, 8), (False, 1), (None, 16)):
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens,
                                  _options=PlanOptions(separate_merge=separate,
