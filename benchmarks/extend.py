@@ -11,7 +11,7 @@ Cases (float16, 32 query heads over 8 KV heads, head_dim 128, blocks of 16):
 
 Roofline (as ``flash-reasoning bench``): the unique KV bytes plus the queries' and outputs'
 bytes at the copy bandwidth, or the FLOPs (4 x head_dim x query heads per (query, key it
-attends)) at the matmul rate, whichever is longer, plus one launch. Times: CUDA events,
+attends)) at the fp16 matmul rate, whichever is longer, plus one launch. Times: CUDA events,
 median, L2 flushed by a read (``tools.timing``). ``err``: each op's relative error against
 the float64 reference on the first branches' rows.
 
