@@ -39,7 +39,7 @@ EXTEND = [(b, n) for n in (16, 64, 256) for b in (8, 64, 256)]
 VERIFY = [(tree, k) for tree in ("seed_b16/q32kv8", "ft_1,2,64/q32kv8", "ft_1,4,256/q32kv8")
           for k in (4, 32)]
 SMOKE_SHAPE = {"num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}
-CHECKED_BRANCHES = 4  # the reference's rows: enough to catch a wrong mask, cheap in float64
+CHECKED_BRANCHES = 4  # the reference's rows: enough to catch a wrong causal cut, cheap in float64
 
 
 def extend_problem(branches: int, new: int, prompt: int, device: str, shape=SHAPE):
