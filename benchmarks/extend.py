@@ -80,15 +80,11 @@ def roofline_us(alloc, ids, q_lens, machine: bench.Machine) -> float:
 def sdpa_over_copies(alloc, ids, q_lens, q):
     """PyTorch SDPA on each branch's path copied out dense (padded to the longest), with the
     causal mask of its queries: what an engine without shared-prefix attention runs."""
-    tables, lengths = alloc.block_tables(ids)
-    longest, new = int(lengths.max()), q_lens[0]
-    copies = [reference.gather_paths(alloc.k_pools[0], alloc.v_pools[0], tables, lengths)]
-    keys, values = ([F.pad(t, (0, 0, 0, 0, 0, longest - t.shape[0])) for t in ts]
-                    for ts in copies[0])
-    k = torch.stack(keys).transpose(1, 2).contiguous()       # [branches, kv_heads, len, dim]
-    v = torch.stack(values).transpose(1, 2).contiguous()
-    position = torch.arange(longest, device=q.device)
-    query_end = lengths.long()[:, None] - new + torch.arange(1, new + 1, device=q.device)
+    copies = bench.Separate.from_tree(alloc, ids)
+    k, v = copies.k.transpose(1, 2), copies.v.transpose(1, 2)   # [branches, kv_heads, len, dim]
+    new = q_lens[0]
+    position = torch.arange(k.shape[2], device=q.device)
+    query_end = copies.lengths.long()[:, None] - new + torch.arange(1, new + 1, device=q.device)
     mask = (position[None, None, :] < query_end[:, :, None])[:, None]   # [b, 1, new, len]
     qb = q.view(len(ids), new, *q.shape[1:]).transpose(1, 2)            # [b, heads, new, dim]
     return lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)

@@ -752,6 +752,9 @@ def test_tree_attention_plans_again_for_other_q_lens():
     (lambda ids: [1] * (len(ids) - 1) + [-1], ValueError, r"q_lens\[\d+\] must be >= 0"),
     (lambda ids: [1] * (len(ids) - 1) + [10**6], ValueError, "exceeds its branch's length"),
     (lambda ids: [1.0] * len(ids), TypeError, r"q_lens\[0\] must be an int"),
+    (lambda ids: np.ones(len(ids)), TypeError, r"q_lens\[0\] must be an int"),
+    (lambda ids: np.array([True] * len(ids)), TypeError, r"q_lens\[0\] must be an int"),
+    (lambda ids: np.array([1] * (len(ids) - 1) + [-1]), ValueError, r"q_lens\[\d+\] must be >= 0"),
     (lambda ids: 3, TypeError, "q_lens must be a sequence"),
     (lambda ids: [2] * len(ids), ValueError, r"q must be \[sum\(q_lens\)"),
 ])

@@ -4,6 +4,7 @@ extend steps (several new tokens per row) through ``tree_attention`` with ``q_le
 prompt by PyTorch SDPA."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -97,7 +98,7 @@ def _extend_attention(cache, query, key, value, layer: int) -> torch.Tensor:
     if not (cache.step_starts == 0).all():
         q = query.transpose(1, 2).reshape(rows * new, heads, head_dim).contiguous()
         out = tree_attention(q, cache.allocator, cache.branch_ids, layer,
-                             sm_scale=cache.sm_scale, q_lens=[new] * rows)
+                             sm_scale=cache.sm_scale, q_lens=np.full(rows, new))
         return out.view(rows, new, heads, head_dim)
     group = heads // cache.num_kv_heads
     out = F.scaled_dot_product_attention(

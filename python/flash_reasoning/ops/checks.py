@@ -101,12 +101,19 @@ def check_q_lens(q_lens, lengths) -> np.ndarray:
     current lengths), each in ``[0, length]`` (a branch's queries are its last tokens) ->
     a read-only int64 array."""
     if isinstance(q_lens, torch.Tensor):
-        q_lens = q_lens.tolist()
+        q_lens = q_lens.cpu().numpy()
     if isinstance(q_lens, (str, bytes)) or not hasattr(q_lens, "__len__"):
         raise TypeError(f"q_lens must be a sequence of ints (one per branch), got "
                         f"{type(q_lens).__name__}")
-    counts = np.array([as_int(f"q_lens[{i}]", n, low=0) for i, n in enumerate(q_lens)],
-                      dtype=np.int64).reshape(-1)
+    counts = np.asarray(q_lens) if isinstance(q_lens, np.ndarray) else None
+    if counts is None or counts.dtype.kind not in "iu" or counts.ndim != 1:
+        # Element by element, for the message naming the first bad one.
+        counts = np.array([as_int(f"q_lens[{i}]", n) for i, n in enumerate(q_lens)],
+                          dtype=np.int64).reshape(-1)
+    counts = counts.astype(np.int64)
+    if counts.size and counts.min() < 0:
+        i = int(np.argmax(counts < 0))
+        raise ValueError(f"q_lens[{i}] must be >= 0, got {int(counts[i])}")
     lengths = np.asarray(lengths, np.int64)
     if counts.size != lengths.size:
         raise ValueError(f"q_lens must hold one count per branch ({lengths.size}), got "

@@ -81,11 +81,13 @@ class TreeAttentionPlan:
             check_compiled("allocator", allocator.dtype, self.head_dim)
         self._context = _context_for(device, options)
         with allocator._lock:  # the tree and the tables of one moment, with their versions
-            lengths = allocator.lengths(branch_ids)
-            self.q_lens = None if q_lens is None else check_q_lens(q_lens, lengths)
+            self.q_lens = None if q_lens is None else \
+                check_q_lens(q_lens, allocator.lengths(branch_ids))
             tree = allocator.segment_tree(branch_ids, self.q_lens,  # ids: alive, distinct
                                           options.query_block or QUERY_BLOCK)
-            tables = _dense_tables(allocator, tree, int(lengths.max(initial=0)))
+            # A query row may be planned shorter than its branch; the tables cover the branch.
+            longest = tree.lengths if q_lens is None else allocator.lengths(branch_ids)
+            tables = _dense_tables(allocator, tree, int(longest.max(initial=0)))
             self.tree_version = allocator.tree_version
             # A several-query plan's rows were planned shorter (QUERY_BLOCK): its first
             # refresh (below) writes their lengths.
