@@ -7,15 +7,18 @@ Cases (float16, 32 query heads over 8 KV heads, head_dim 128, blocks of 16):
 - ``extend_b{B}_n{N}``: B branches forked from a 2048-token prompt, each extended by N tokens
   (written before the call), its N queries attending the prompt and causally each other;
 - ``verify_{tree}_k{K}``: a tree of the cases file, each leaf given a chain of K draft tokens
-  to verify (K queries per leaf, causal).
+  to verify (K queries per leaf, causal);
+- ``draft_{tree}_k{K}``: the same leaves each given a random draft *tree* of K tokens
+  (``mask``: each query attends its ancestors in the draft and itself); no decode-rows
+  column (a query's tokens are not a prefix of its branch).
 
 Roofline (as ``flash-reasoning bench``): the unique KV bytes plus the queries' and outputs'
 bytes at the copy bandwidth, or the FLOPs (4 x head_dim x query heads per (query, key it
-attends)) at the fp16 matmul rate, whichever is longer, plus one launch. Times: CUDA events,
-median, L2 flushed by a read (``tools.timing``). ``err``: each op's relative error against
-the float64 reference on the first branches' rows.
+attends, under its mask)) at the fp16 matmul rate, whichever is longer, plus one launch.
+Times: CUDA events, median, L2 flushed by a read (``tools.timing``). ``err``: each op's
+relative error against the float64 reference on the first branches' rows.
 
-``python benchmarks/extend.py [--cases extend,verify] [--json out.json]``; ``--smoke`` runs
+``python benchmarks/extend.py [--cases extend,verify,draft] [--json out.json]``; ``--smoke`` runs
 tiny cases on CPU (the PyTorch path) and checks every op against the reference, untimed.
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch.nn.functional as F
 
 from flash_reasoning import PhysicalKVAllocator, TreeAttentionPlan, paged_decode, reference
 from flash_reasoning.tools import bench, timing
-from flash_reasoning.tools.synthetic import random_kv
+from flash_reasoning.tools.synthetic import draft_tree_mask, random_kv
 
 SHAPE = {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "float16"}
 PROMPT = 2048
@@ -65,10 +68,18 @@ def verify_problem(name: str, draft: int, device: str):
     return alloc, leaves
 
 
-def roofline_us(alloc, ids, q_lens, machine: bench.Machine) -> float:
+def draft_masks(q_lens, seed: int = 3) -> list[torch.Tensor]:
+    """A random draft tree's mask per branch (``synthetic.draft_tree_mask``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [draft_tree_mask(n, gen) for n in q_lens]
+
+
+def roofline_us(alloc, ids, q_lens, machine: bench.Machine, masks=None) -> float:
     lengths = alloc.lengths(ids)
-    attended = sum(int(n) * (int(length) - int(n)) + int(n) * (int(n) + 1) // 2
-                   for length, n in zip(lengths, q_lens))
+    new_keys = [n * (n + 1) // 2 for n in q_lens] if masks is None else \
+        [int(m.sum()) for m in masks]  # keys each branch's queries attend among the new
+    attended = sum(int(n) * (int(length) - int(n)) + new
+                   for length, n, new in zip(lengths, q_lens, new_keys))
     heads, dim = SHAPE["num_qo_heads"], alloc.head_dim
     unique = alloc.memory_report().tokens_physical * alloc.bytes_per_token_per_layer
     moved = unique + 2 * sum(q_lens) * heads * dim * alloc.k_pools[0].element_size()
@@ -77,51 +88,64 @@ def roofline_us(alloc, ids, q_lens, machine: bench.Machine) -> float:
         machine.launch_us
 
 
-def sdpa_over_copies(alloc, ids, q_lens, q):
+def sdpa_over_copies(alloc, ids, q_lens, q, masks=None):
     """PyTorch SDPA on each branch's path copied out dense (padded to the longest), with the
-    causal mask of its queries: what an engine without shared-prefix attention runs."""
+    causal (or draft) mask of its queries: what an engine without shared-prefix attention
+    runs."""
     copies = bench.Separate.from_tree(alloc, ids)
     k, v = copies.k.transpose(1, 2), copies.v.transpose(1, 2)   # [branches, kv_heads, len, dim]
     new = q_lens[0]
     position = torch.arange(k.shape[2], device=q.device)
-    query_end = copies.lengths.long()[:, None] - new + torch.arange(1, new + 1, device=q.device)
-    mask = (position[None, None, :] < query_end[:, :, None])[:, None]   # [b, 1, new, len]
+    first_new = copies.lengths.long()[:, None, None] - new               # [b, 1, 1]
+    query_end = first_new[:, :, 0] + torch.arange(1, new + 1, device=q.device)
+    mask = position[None, None, :] < query_end[:, :, None]               # [b, new, len]
+    if masks is not None:  # the new tokens as each branch's draft mask allows
+        mask = (position[None, None, :] < first_new).expand(-1, new, -1).clone()
+        for b, m in enumerate(masks):
+            start = int(first_new[b])
+            mask[b, :, start:start + new] = m.to(q.device)
+    mask = mask[:, None]                                                 # [b, 1, new, len]
     qb = q.view(len(ids), new, *q.shape[1:]).transpose(1, 2)            # [b, heads, new, dim]
     return lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def ops(alloc, ids, q_lens, q):
-    """Each op as a callable returning its ``[rows, heads, dim]`` output."""
-    plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens)
+def ops(alloc, ids, q_lens, q, masks=None):
+    """Each op as a callable returning its ``[rows, heads, dim]`` output (no decode rows under
+    draft masks: a query's tokens are not a prefix of its branch)."""
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=masks)
     plan.refresh()
     out = torch.empty_like(q)
-    sdpa = sdpa_over_copies(alloc, ids, q_lens, q)
+    sdpa = sdpa_over_copies(alloc, ids, q_lens, q, masks)
     rows = q.shape[0]
-    return {"tree": lambda: plan.run(q, 0, out),
-            "sdpa": lambda: sdpa().transpose(1, 2).reshape(rows, *q.shape[1:]),
-            "decode_rows": lambda: paged_decode(q, alloc.k_pools[0], alloc.v_pools[0],
-                                                plan.tables, plan.lengths, out=out)}
+    fns = {"tree": lambda: plan.run(q, 0, out),
+           "sdpa": lambda: sdpa().transpose(1, 2).reshape(rows, *q.shape[1:])}
+    if masks is None:
+        fns["decode_rows"] = lambda: paged_decode(q, alloc.k_pools[0], alloc.v_pools[0],
+                                                  plan.tables, plan.lengths, out=out)
+    return fns
 
 
-def errors(alloc, ids, q_lens, q, fns) -> dict:
+def errors(alloc, ids, q_lens, q, fns, masks=None) -> dict:
     """Each op's relative error against the float64 reference over the first branches."""
     n = CHECKED_BRANCHES
     rows = sum(q_lens[:n])
-    expected = reference.tree_attention(q[:rows], alloc, ids[:n], q_lens=q_lens[:n])
+    expected = reference.tree_attention(q[:rows], alloc, ids[:n], q_lens=q_lens[:n],
+                                        mask=None if masks is None else masks[:n])
     return {name: reference.relative_error(fn()[:rows], expected) for name, fn in fns.items()}
 
 
-def run(name, alloc, ids, new, machine, num_qo_heads: int) -> dict:
+def run(name, alloc, ids, new, machine, num_qo_heads: int, masked: bool = False) -> dict:
     q_lens = [new] * len(ids)
+    masks = draft_masks(q_lens) if masked else None
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(sum(q_lens), num_qo_heads, alloc.head_dim, generator=gen)
     q = q.to(alloc.dtype).to(alloc.device)
-    fns = ops(alloc, ids, q_lens, q)
+    fns = ops(alloc, ids, q_lens, q, masks)
     row = {"case": name, "branches": len(ids), "queries": new, "rows": q.shape[0],
-           "err": errors(alloc, ids, q_lens, q, fns)}
+           "err": errors(alloc, ids, q_lens, q, fns, masks)}
     if machine is not None:
         row["us"] = timing.median_us_each(fns, runs=30)
-        row["roof_us"] = roofline_us(alloc, ids, q_lens, machine)
+        row["roof_us"] = roofline_us(alloc, ids, q_lens, machine, masks)
     return row
 
 
@@ -130,6 +154,7 @@ def problems(kinds, device):
         for b, n in ((3, 4), (2, 9)):
             yield f"extend_b{b}_n{n}", n, extend_problem(b, n, 40, device, SMOKE_SHAPE)
         yield "verify_ft_1,2,64_k3", 3, verify_problem("ft_1,2,64/q32kv8", 3, device)
+        yield "draft_ft_1,2,64_k5", 5, verify_problem("ft_1,2,64/q32kv8", 5, device)
         return
     if "extend" in kinds:
         for b, n in EXTEND:
@@ -137,6 +162,9 @@ def problems(kinds, device):
     if "verify" in kinds:
         for tree, k in VERIFY:
             yield f"verify_{tree.split('/')[0]}_k{k}", k, verify_problem(tree, k, device)
+    if "draft" in kinds:
+        for tree, k in VERIFY:
+            yield f"draft_{tree.split('/')[0]}_k{k}", k, verify_problem(tree, k, device)
 
 
 def format_row(row: dict) -> str:
@@ -145,13 +173,14 @@ def format_row(row: dict) -> str:
         return f"{row['case']:<24} {row['rows']:>6}  max err {err:.1e}"
     us = row["us"]
     return (f"{row['case']:<24} {row['rows']:>6} {us['tree']:>9.1f} {row['roof_us']:>8.1f} "
-            f"{us['tree'] / row['roof_us']:>6.2f} {us['sdpa']:>9.1f} {us['decode_rows']:>9.1f}"
+            f"{us['tree'] / row['roof_us']:>6.2f} {us['sdpa']:>9.1f} "
+            f"{us.get('decode_rows', float('nan')):>9.1f}"
             f"  {err:.1e}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", default="extend,verify")
+    parser.add_argument("--cases", default="extend,verify,draft")
     parser.add_argument("--json")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
@@ -164,7 +193,7 @@ def main(argv=None) -> int:
     rows = []
     for name, new, (alloc, ids) in problems(args.cases.split(","), device):
         heads = alloc.num_kv_heads * SHAPE["num_qo_heads"] // SHAPE["num_kv_heads"]
-        rows.append(run(name, alloc, ids, new, machine, heads))
+        rows.append(run(name, alloc, ids, new, machine, heads, name.startswith("draft")))
         print(format_row(rows[-1]), flush=True)
         tolerance = reference.TOLERANCE[alloc.dtype]
         if max(rows[-1]["err"].values()) >= tolerance:

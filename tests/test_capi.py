@@ -70,9 +70,16 @@ class CApi:
         return box[0]
 
     def plan(self, context, problem: "Problem"):
-        """(status, message, plan handle or None)."""
+        """(status, message, plan handle or None); frPlanCreateWithDraftMasks for a problem with drafts."""
         box = self.out("frPlan")
-        rc, msg = self.call("frPlanCreate", context, problem.shape_c(self), problem.tree_c(self), problem.extra, box)
+        if problem.drafts is None:
+            rc, msg = self.call("frPlanCreate", context, problem.shape_c(self), problem.tree_c(self), problem.extra,
+                                box)
+        else:
+            drafts = np.ascontiguousarray(problem.drafts, np.int64)
+            problem._keep.append(drafts)
+            rc, msg = self.call("frPlanCreateWithDraftMasks", context, problem.shape_c(self), problem.tree_c(self),
+                                self.ffi.cast("frDraftMask*", self.ffi.from_buffer(drafts)), problem.extra, box)
         assert (rc == FR_OK) != self.untouched(box), "a failed frPlanCreate must leave *out untouched"
         return rc, msg, box[0] if rc == FR_OK else None
 
@@ -95,6 +102,7 @@ class Problem:
     stride: int = 0  # 0: the tables' width
     num_branches: int | None = None  # None: len(lengths)
     extra: int = 1
+    drafts: np.ndarray | None = None  # int64 [num_branches, 2]: frDraftMask's fields per row
     _keep: list = field(default_factory=list)
 
     def shape_c(self, api: CApi):
@@ -331,6 +339,7 @@ def context_calls(ctx):
     return {
         "frContextArch": (ctx, ffi.new("char**")),
         "frPlanCreate": (ctx, SHAPE, tree_c(), 1, ffi.new("frPlan*")),
+        "frPlanCreateWithDraftMasks": (ctx, SHAPE, tree_c(), NULL, 1, ffi.new("frPlan*")),
         "frAppendKV": (ctx, p, p, p, p, p, 1, 8, 128, NULL),
         "frPagedDecodeWorkspaceSize": (ctx, SHAPE, 1, 4, ffi.new("size_t*")),
         "frPagedDecode": (ctx, SHAPE, p, p, p, p, p, 1, 4, p, NULL, 0, NULL),
@@ -465,7 +474,7 @@ def test_garbage_and_foreign_handles_are_refused(tmp_path):
                              other.frPlanDestroy(other_plan), other.frContextDestroy(other_ctx)]
     """)
     assert out.pop("still_fine") == [[FR_OK, ""], [FR_OK, ""], FR_OK, FR_OK]
-    assert len(out) == 6 * 16
+    assert len(out) == 6 * 17
     for name, result in out.items():
         handle, kind = name.split(":")[0].split()
         expected = {"context kind": "is a plan handle, not a context",
@@ -650,6 +659,59 @@ def test_query_rows_plan_as_python_plans_q_lens(api, host_context):
         sum(q_lens), tree.num_nodes, python.arrays.stats["computed_nodes"],
         len(python.arrays.items) + 1, int(tree.lengths.sum()))
     api.lib.frPlanDestroy(plan)
+
+
+def draft_row_problem(alloc, ids, q_lens, mask, num_qo_heads: int) -> Problem:
+    """Draft masks as the C ABI takes them (capi.md): one row per query, its branch's block
+    table; a masked branch's query j a row ending at its last allowed draft token, its
+    frDraftMask {draft tokens in the row, bits}; a causal one's its causal length, {0, 0}."""
+    from flash_reasoning.ops.checks import check_masks
+    from flash_reasoning.ops.tree_attention import draft_masks
+    problem = query_row_problem(alloc, ids, q_lens, num_qo_heads)
+    q_lens = np.asarray(q_lens)
+    masks = check_masks(mask, q_lens, 64)
+    drafts = draft_masks(masks, q_lens)
+    rows = np.repeat(np.arange(len(ids)), q_lens)
+    context = (alloc.lengths(ids) - q_lens)[rows]
+    problem.lengths = np.where(np.isin(rows, list(masks)), context + drafts[:, 0], problem.lengths)
+    problem.drafts = drafts
+    return problem
+
+
+def test_draft_rows_plan_as_python_plans_masks(api, host_context):
+    """A frTree of draft rows with their frDraftMasks is planned as Python plans the same
+    q_lens and masks (its causal rows unrounded): the same tree, launches and kernels."""
+    from test_tree_attention import random_masks
+
+    from flash_reasoning import TreeAttentionPlan
+    alloc, ids = seed_like_tree(torch.float16, 64, device="cpu")
+    q_lens = [(i * 7) % 13 for i in range(len(ids))]
+    mask = random_masks(q_lens, 3)
+    rc, msg, plan = api.plan(host_context, draft_row_problem(alloc, ids, q_lens, mask, 8))
+    assert rc == FR_OK, msg
+    python = TreeAttentionPlan(alloc, ids, 8, q_lens=q_lens, mask=mask,  # causal rows exact, as C's
+                               _options=PlanOptions(num_sms=132, arch=ARCH, query_block=1))
+    info = api.info(plan)
+    assert (info["num_branches"], info["num_nodes"], info["computed_nodes"], info["num_launches"]) == (
+        sum(q_lens), python.arrays.stats["nodes"], python.arrays.stats["computed_nodes"], len(python.kernels))
+    assert kernel_names(api, plan) == python.kernels
+    assert "_draft1_" in python.kernels[-1]
+    api.lib.frPlanDestroy(plan)
+
+
+@pytest.mark.parametrize("spoil, match", [
+    (lambda d, lengths: d.__setitem__((0, 0), 65), r"draft_masks\[0\]\.tokens must be in \[0, 64\], got 65"),
+    (lambda d, lengths: d.__setitem__((1, 0), -1), r"draft_masks\[1\]\.tokens must be in \[0, 64\], got -1"),
+    (lambda d, lengths: d.__setitem__((2, 0), lengths[2] + 1), r"draft_masks\[2\]\.tokens is \d+, past branch 2"),
+])
+def test_bad_draft_masks_are_refused(api, host_context, spoil, match):
+    alloc, ids = seed_like_tree(torch.float16, 64, device="cpu")
+    problem = allocator_problem(alloc, ids, 8)
+    problem.lengths = np.minimum(problem.lengths, 60)  # short rows: a draft may be past one
+    problem.drafts = np.zeros((len(ids), 2), np.int64)
+    spoil(problem.drafts, problem.lengths)
+    rc, msg, _ = api.plan(host_context, problem)
+    assert rc == FR_INVALID_ARGUMENT and re.search(match, msg), msg
 
 
 @pytest.mark.parametrize("seq_lens", [[3000, 40], [100] * 200])
@@ -1075,14 +1137,33 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 def test_gpu_query_rows_match_the_reference(api, gpu_context):
     from flash_reasoning.tools.synthetic import random_kv
     alloc, ids = seed_like_tree(torch.float16, 128)
-    alloc.append(alloc.reserve(ids, 24), 0,
-                 *random_kv(alloc, torch.Generator().manual_seed(2), 24 * len(ids)))
+    alloc.append(alloc.reserve(ids, 8), 0,  # a block each: the pool's spare
+                 *random_kv(alloc, torch.Generator().manual_seed(2), 8 * len(ids)))
     q_lens = [(i * 5) % 25 for i in range(len(ids))]
     rc, msg, plan = api.plan(gpu_context, query_row_problem(alloc, ids, q_lens, 32))
     assert rc == FR_OK, msg
     q = torch.randn(sum(q_lens), 32, 128, device="cuda").half()
     out = run_plan(api, plan, alloc, q)
     expected = reference.tree_attention(q, alloc, ids, q_lens=q_lens)
+    assert reference.relative_error(out, expected) < reference.TOLERANCE[q.dtype]
+    api.lib.frPlanDestroy(plan)
+
+
+@gpu
+def test_gpu_draft_rows_match_the_reference(api, gpu_context):
+    from test_tree_attention import random_masks
+
+    from flash_reasoning.tools.synthetic import random_kv
+    alloc, ids = seed_like_tree(torch.float16, 128)
+    alloc.append(alloc.reserve(ids, 8), 0,  # a block each: the pool's spare
+                 *random_kv(alloc, torch.Generator().manual_seed(3), 8 * len(ids)))
+    q_lens = [(i * 5) % 25 for i in range(len(ids))]
+    mask = random_masks(q_lens, 4)
+    rc, msg, plan = api.plan(gpu_context, draft_row_problem(alloc, ids, q_lens, mask, 32))
+    assert rc == FR_OK, msg
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda").half()
+    out = run_plan(api, plan, alloc, q)
+    expected = reference.tree_attention(q, alloc, ids, q_lens=q_lens, mask=mask)
     assert reference.relative_error(out, expected) < reference.TOLERANCE[q.dtype]
     api.lib.frPlanDestroy(plan)
 

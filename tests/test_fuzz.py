@@ -45,6 +45,8 @@ from flash_reasoning import (
     reference,
 )
 from flash_reasoning.allocator import ZERO_BLOCK
+from flash_reasoning.ops.tree_attention import MAX_DRAFT_TOKENS
+from flash_reasoning.tools.synthetic import draft_tree_mask
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class Tally:
     refused: int = 0         # bad input, limits, stale steps: refused with nothing changed
     interpreted: int = 0     # plan outputs of the interpreted kernels
     query_rows: int = 0      # query rows checked in plans with several queries per branch
+    draft_rows: int = 0      # of them, rows under a draft mask
 
 
 class Model:
@@ -150,9 +153,13 @@ class HeldStep:
         return bool(self.touched.intersection(self.ids))
 
 
-def make_plan(alloc, ids, num_qo_heads: int, knobs: dict, q_lens=None) -> TreeAttentionPlan:
-    """A plan with the planner's forcing knobs (a ``planner.PlanOptions``)."""
+def make_plan(alloc, ids, num_qo_heads: int, knobs: dict, gen: torch.Generator,
+              most: int) -> TreeAttentionPlan:
+    """A plan with the planner's forcing knobs (a ``planner.PlanOptions``), one query per
+    branch or :func:`some_q_lens`, with draft masks half the time."""
+    q_lens = some_q_lens(alloc, ids, gen, most)
     return TreeAttentionPlan(alloc, ids, num_qo_heads, q_lens=q_lens,
+                             mask=None if q_lens is None else some_masks(q_lens, gen),
                              _options=planner.PlanOptions(**knobs))
 
 
@@ -163,6 +170,17 @@ def some_q_lens(alloc, ids, gen: torch.Generator, most: int):
         return None
     return [int(torch.randint(0, min(n, most) + 1, (1,), generator=gen))
             for n in alloc.lengths(ids)]
+
+
+def some_masks(q_lens, gen: torch.Generator):
+    """None half the time, else per branch a random draft tree's mask, random bits or None (a
+    branch of more than MAX_DRAFT_TOKENS queries: None)."""
+    if torch.randint(0, 2, (1,), generator=gen).item():
+        return None
+    kinds = (lambda n: draft_tree_mask(n, gen), lambda n: torch.rand(n, n, generator=gen) < 0.5,
+             lambda n: None)
+    return [kinds[int(torch.randint(0, 3, (1,), generator=gen))](n) if n <= MAX_DRAFT_TOKENS
+            else None for n in q_lens]
 
 
 def interpreted_output(plan: TreeAttentionPlan, q: torch.Tensor, layer: int) -> torch.Tensor:
@@ -493,8 +511,8 @@ class FuzzMachine(RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(self.model.live()), min_size=1,
                                  max_size=self.LIMITS.plan_branches, unique=True),
                         label="plan ids")
-        plan = make_plan(self.alloc, ids, self.num_qo_heads, self.knobs,
-                         some_q_lens(self.alloc, ids, self.gen, self.LIMITS.max_queries))
+        plan = make_plan(self.alloc, ids, self.num_qo_heads, self.knobs, self.gen,
+                         self.LIMITS.max_queries)
         self.plans = self.plans[-2:] + [(plan, self.alloc.tree_version)]
 
     # ---- after every step -----------------------------------------------------------------
@@ -559,9 +577,8 @@ class FuzzMachine(RuleBasedStateMachine):
         if live:
             order = torch.randperm(len(live), generator=self.gen)[:self.LIMITS.plan_branches]
             ids = [live[i] for i in order.tolist()]
-            self.check_attention(make_plan(
-                self.alloc, ids, self.num_qo_heads, self.knobs,
-                some_q_lens(self.alloc, ids, self.gen, self.LIMITS.max_queries)))
+            self.check_attention(make_plan(self.alloc, ids, self.num_qo_heads, self.knobs,
+                                           self.gen, self.LIMITS.max_queries))
 
     def outgrown(self, plan) -> bool:
         return self.alloc.block_tables(plan.branch_ids)[0].shape[1] > plan.tables.shape[1]
@@ -581,8 +598,11 @@ class FuzzMachine(RuleBasedStateMachine):
         if plan.q_lens is None:
             expected = reference.decode_attention(q, keys, values)
         else:
-            expected = reference.query_attention(q, keys, values, plan.q_lens.tolist())
+            expected = reference.query_attention(q, keys, values, plan.q_lens.tolist(),
+                                                 masks=plan.mask)
             self.TALLY.query_rows += plan.num_rows
+            if plan.mask is not None:
+                self.TALLY.draft_rows += sum(len(m) for m in plan.mask if m is not None)
         err = reference.relative_error(out, expected)
         assert err < reference.TOLERANCE[q.dtype], f"relative error {err}"
         self.TALLY.attention += 1
@@ -599,8 +619,7 @@ class FuzzMachine(RuleBasedStateMachine):
                  and not self.outgrown(plan)]
         live = self.model.live()
         for plan in plans + [make_plan(self.alloc, live, self.num_qo_heads, self.knobs,
-                                       some_q_lens(self.alloc, live, self.gen,
-                                                   self.LIMITS.max_queries))]:
+                                       self.gen, self.LIMITS.max_queries)]:
             self.check_attention(plan, interpreted=True)
 
 
@@ -618,7 +637,7 @@ def fuzz(limits: Limits, device: str, interpret: bool = False) -> Tally:
 def test_fuzz_torch_path():
     tally = fuzz(CPU, "cpu")
     assert tally.examples >= CPU.examples and tally.attention > tally.examples
-    assert tally.refused and tally.exhausted and tally.query_rows
+    assert tally.refused and tally.exhausted and tally.query_rows and tally.draft_rows
 
 
 @interpreter
@@ -633,7 +652,8 @@ def test_gpu_fuzz(capsys):
     with capsys.disabled():
         print(f"\nfuzz on {torch.cuda.get_device_name()}: {tally.examples} histories, "
               f"{tally.steps} steps, {tally.attention} plan outputs checked "
-              f"({tally.query_rows} rows of several queries per branch, {tally.stale} "
+              f"({tally.query_rows} rows of several queries per branch, {tally.draft_rows} "
+              f"of them under draft masks, {tally.stale} "
               f"held plans stale), {tally.exhausted} pool exhaustions, {tally.refused} "
               f"refused calls")
     assert tally.examples >= GPU.examples

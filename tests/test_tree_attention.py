@@ -20,12 +20,14 @@ from flash_reasoning import (
     tree_attention,
 )
 from flash_reasoning._core import CoreError
+from flash_reasoning.ops.tree_attention import MAX_DRAFT_TOKENS
 from flash_reasoning.planner import PlanOptions
 from flash_reasoning.runtime import TensorMap
 from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
 from flash_reasoning.tools.bench import case_allocator, load_cases
 from flash_reasoning.tools.synthetic import (
     LONG_NODE_TOKENS,
+    draft_tree_mask,
     long_narrow_node,
     random_branches,
     random_kv,
@@ -51,15 +53,15 @@ def queries(alloc, ids, num_qo_heads, seed=0, rows=None):
     return q.to(alloc.dtype).to(alloc.device)
 
 
-def check(out, q, alloc, ids, layer=0, sm_scale=None, q_lens=None):
-    ref = reference.tree_attention(q, alloc, ids, layer, sm_scale, q_lens)
+def check(out, q, alloc, ids, layer=0, sm_scale=None, q_lens=None, mask=None):
+    ref = reference.tree_attention(q, alloc, ids, layer, sm_scale, q_lens, mask)
     err = reference.relative_error(out, ref)
     assert err < reference.TOLERANCE[q.dtype], f"relative error {err}"
 
 
-def interpret(alloc, ids, q, sm_scale=None, q_lens=None, **plan_kw):
+def interpret(alloc, ids, q, sm_scale=None, q_lens=None, mask=None, **plan_kw):
     from aot.interpret import run_interpreted
-    plan = TreeAttentionPlan(alloc, ids, q.shape[1], sm_scale, q_lens,
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], sm_scale, q_lens, mask,
                              _options=PlanOptions(num_sms=4, arch="sm90", **plan_kw))
     out = poisoned_like(q)
     run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
@@ -634,6 +636,16 @@ def random_q_lens(alloc, ids, seed, most=64):
     return counts
 
 
+def random_masks(q_lens, seed):
+    """A draft mask per branch: a random draft tree, random bits (rows that allow nothing
+    among them), or None (causal), in turn; branches of more than 64 queries stay causal."""
+    gen = torch.Generator().manual_seed(seed)
+    kinds = (lambda n: draft_tree_mask(n, gen), lambda n: torch.rand(n, n, generator=gen) < 0.3,
+             lambda n: None)
+    return [kinds[(i + seed) % 3](n) if n <= MAX_DRAFT_TOKENS else None
+            for i, n in enumerate(q_lens)]
+
+
 def test_query_reference_is_causal_attention():
     """The float64 reference against PyTorch's SDPA with the causal mask written out."""
     gen = torch.Generator().manual_seed(0)
@@ -695,22 +707,28 @@ def test_query_blocks_are_planned_as_shared_nodes():
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(branches=st.integers(1, 20), depth=st.integers(1, 8), tokens=st.integers(0, 40),
        group=st.sampled_from([1, 4, 16]), merge=st.sampled_from([None, False, True]),
        lanes=st.sampled_from([None, 1, 4]), block=st.sampled_from([None, 1, 3, 8]),
-       seed=st.integers(0, 2**16))
+       masked=st.booleans(), seed=st.integers(0, 2**16))
 def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, lanes, block,
-                                        seed):
+                                        masked, seed):
+    """Causal queries, or draft masks (read in one-row final programs whatever the options
+    ask), under the planner's choices."""
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, branches=branches, depth=depth,
                         tokens=tokens, seed=seed, block_size=4, roots=1 + seed % 3)
     q_lens = random_q_lens(alloc, ids, seed)
+    mask = random_masks(q_lens, seed) if masked else None
     q = queries(alloc, ids, group, seed, rows=sum(q_lens))
     lanes = None if merge or lanes is None else min(lanes, 32 // group)  # the wide tile's
-    plan = TreeAttentionPlan(alloc, ids, group, q_lens=q_lens,
+    plan = TreeAttentionPlan(alloc, ids, group, q_lens=q_lens, mask=mask,
                              _options=PlanOptions(separate_merge=merge, final_lanes=lanes,
                                                   query_block=block))
-    check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
+    if plan.draft_masks is not None:
+        assert plan.arrays.final_lanes == 1 and not plan.arrays.separate_merge \
+            and not plan.arrays.as_paged_decode
+    check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
 
 
 def test_one_query_per_branch_is_decode():
@@ -720,20 +738,24 @@ def test_one_query_per_branch_is_decode():
     assert torch.equal(TreeAttentionPlan(alloc, ids, 4, q_lens=[1] * len(ids)).run(q), decode)
 
 
-def test_q_lens_plan_follows_growth():
-    """A held plan's queries are each branch's last q_lens tokens as the branches grow."""
+@pytest.mark.parametrize("masked", [False, True])
+def test_q_lens_plan_follows_growth(masked):
+    """A held plan's queries (and drafts) are each branch's last q_lens tokens as the
+    branches grow."""
     alloc, ids = forest("cpu", layers=2, seed=12, tokens=30)
-    q_lens = [3] * len(ids)
+    q_lens = [4] * len(ids)
+    mask = random_masks(q_lens, 17) if masked else None
     gen = torch.Generator().manual_seed(1)
     plan = None
     for step in range(3):
-        reserved = alloc.reserve(ids, 3)
+        reserved = alloc.reserve(ids, 4)
         for layer in range(2):
-            alloc.append(reserved, layer, *random_kv(alloc, gen, 3 * len(ids)))
-        plan = plan or TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens)
+            alloc.append(reserved, layer, *random_kv(alloc, gen, 4 * len(ids)))
+        plan = plan or TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens, mask=mask)
         for layer in range(2):
-            q = queries(alloc, ids, 4, seed=step, rows=3 * len(ids))
-            check(plan.run(q, layer, poisoned_like(q)), q, alloc, ids, layer, q_lens=q_lens)
+            q = queries(alloc, ids, 4, seed=step, rows=4 * len(ids))
+            check(plan.run(q, layer, poisoned_like(q)), q, alloc, ids, layer, q_lens=q_lens,
+                  mask=mask)
 
 
 def test_tree_attention_plans_again_for_other_q_lens():
@@ -764,6 +786,105 @@ def test_bad_q_lens_are_rejected_without_state_change(q_lens, error, match):
     before = (alloc.tree_version, alloc.table_version, alloc.memory_report())
     with pytest.raises(error, match=match):
         tree_attention(q, alloc, ids, q_lens=q_lens(ids))
+    assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
+
+
+# ---- draft masks (speculative-tree verification) ------------------------------------------------
+
+def test_draft_reference_is_masked_attention():
+    """The float64 reference against PyTorch's SDPA with each branch's mask written out; a
+    lower-triangular mask is the causal reference, a query that may attend nothing gives zeros."""
+    gen = torch.Generator().manual_seed(1)
+    keys = [torch.randn(n, 2, 16, generator=gen, dtype=torch.float64) for n in (9, 4)]
+    values = [torch.randn(n, 2, 16, generator=gen, dtype=torch.float64) for n in (9, 4)]
+    q = torch.randn(8, 4, 16, generator=gen, dtype=torch.float64)
+    masks = [draft_tree_mask(4, gen), torch.zeros(4, 4, dtype=torch.bool)]
+    got = reference.query_attention(q, keys, values, [4, 4], 0.3, masks)
+    allowed = torch.ones(4, 9, dtype=torch.bool)
+    allowed[:, 5:] = masks[0]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q[:4].transpose(0, 1), keys[0].repeat_interleave(2, 1).transpose(0, 1),
+        values[0].repeat_interleave(2, 1).transpose(0, 1), attn_mask=allowed, scale=0.3)
+    assert torch.allclose(got[:4], expected.transpose(0, 1), atol=1e-12)
+    assert torch.equal(got[4:], torch.zeros(4, 4, 16, dtype=torch.float64))
+    causal = [torch.ones(4, 4, dtype=torch.bool).tril()] * 2
+    assert torch.allclose(reference.query_attention(q, keys, values, [4, 4], 0.3, causal),
+                          reference.query_attention(q, keys, values, [4, 4], 0.3), atol=1e-12)
+
+
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2), (16, 1)])
+@pytest.mark.parametrize("separate", [False, True])
+def test_draft_masks_interpreted(dtype, heads, separate):
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=120, seed=heads[0],
+                        branches=8)
+    q_lens = random_q_lens(alloc, ids, heads[0], most=40)
+    mask = random_masks(q_lens, heads[0])
+    q = queries(alloc, ids, heads[0], rows=sum(q_lens))
+    plan, out = interpret(alloc, ids, q, q_lens=q_lens, mask=mask, target_chunk=16,
+                          separate_merge=separate)  # drafts merge in the final kernel anyway
+    assert plan.arrays.num_entries > 0 and plan.kernels[-1].startswith("tree_final_") \
+        and "_draft1_" in plan.kernels[-1]
+    check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+
+
+def test_causal_masks_are_the_causal_plan():
+    alloc, ids = forest("cpu", seed=16, tokens=50)
+    q_lens = random_q_lens(alloc, ids, 16, most=20)
+    q = queries(alloc, ids, 4, rows=sum(q_lens))
+    causal = [np.tril(np.ones((n, n), bool)) for n in q_lens]
+    masked = TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens, mask=causal).run(q)
+    plain = TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens).run(q)
+    assert torch.allclose(masked.float(), plain.float(), atol=2e-3)
+    assert TreeAttentionPlan(alloc, ids, 4, q_lens=q_lens, mask=[None] * len(ids)).draft_masks \
+        is None  # no branch masked: the causal plan
+
+
+def test_draft_masks_are_rows_of_bits():
+    from flash_reasoning.ops.tree_attention import draft_masks
+    from flash_reasoning.segment_tree import query_rows
+    tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+    rows = draft_masks({1: tree.astype(bool)}, np.array([2, 3, 1]))
+    # Each row ends at its last allowed draft token.
+    assert rows.tolist() == [[0, 0], [0, 0], [1, 1], [2, 3], [3, 5], [0, 0]]
+    assert draft_masks({0: np.zeros((2, 2), bool)}, np.array([2])).tolist() == [[0, 0], [0, 0]]
+    full = draft_masks({0: np.ones((64, 64), bool)}, np.array([64]))
+    assert (full[:, 1] == -1).all()  # all 64 bits
+    branch, offset = query_rows(np.array([2, 3, 1]), 64, np.array([False, True, False]))
+    assert offset.tolist() == [-2, -2, -3, -3, -3, -1]  # a draft's rows: its context
+
+
+def test_tree_attention_plans_again_for_other_masks():
+    from flash_reasoning.ops.tree_attention import _plans
+    alloc, ids = forest("cpu", seed=18)
+    q_lens = [min(3, n) for n in alloc.lengths(ids).tolist()]
+    q = queries(alloc, ids, 4, rows=sum(q_lens))
+    plans = []
+    for seed in (0, 0, 1):
+        mask = random_masks(q_lens, seed)
+        check(tree_attention(q, alloc, ids, q_lens=q_lens, mask=mask), q, alloc, ids,
+              q_lens=q_lens, mask=mask)
+        plans.append(_plans[alloc][1])
+    assert plans[0] is plans[1] and plans[1] is not plans[2]
+
+
+@pytest.mark.parametrize("mask, q_lens, error, match", [
+    (lambda n: [None] * n, None, ValueError, "mask needs q_lens"),
+    (lambda n: [None] * (n - 1), 2, ValueError, "one entry per branch"),
+    (lambda n: np.ones((n, 2, 2), bool), 2, TypeError, "mask must be a sequence"),
+    (lambda n: [np.ones((2, 2), np.int32)] * n, 2, TypeError, r"mask\[0\] must be a bool"),
+    (lambda n: [np.ones((2, 3), bool)] * n, 2, ValueError, r"mask\[0\] must be \[q_lens"),
+    (lambda n: [np.ones((65, 65), bool)] * n, 65, ValueError, "at most 64"),
+])
+def test_bad_masks_are_rejected_without_state_change(mask, q_lens, error, match):
+    alloc, ids = forest("cpu", seed=19, tokens=120)
+    alloc.append(alloc.reserve(ids, 65), 0, *random_kv(alloc, torch.Generator(), 65 * len(ids)))
+    lens = None if q_lens is None else [q_lens] * len(ids)
+    q = queries(alloc, ids, 4, rows=len(ids) if lens is None else sum(lens))
+    before = (alloc.tree_version, alloc.table_version, alloc.memory_report())
+    with pytest.raises(error, match=match):
+        tree_attention(q, alloc, ids, q_lens=lens, mask=mask(len(ids)))
     assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
 
 
@@ -871,6 +992,7 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
        group=st.sampled_from([1, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype, seed):
+    """Causal queries under the planner's choices, then the same queries under draft masks."""
     alloc, ids = gpu_forest(branches, depth, tokens, head_dim, dtype, seed)
     q_lens = random_q_lens(alloc, ids, seed)
     q = queries(alloc, ids, group * alloc.num_kv_heads, seed, rows=sum(q_lens))
@@ -879,6 +1001,9 @@ def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype
                                  _options=PlanOptions(separate_merge=separate,
                                                       query_block=block))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
+    mask = random_masks(q_lens, seed)
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask)
+    check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
 
 
 @gpu

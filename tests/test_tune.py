@@ -136,10 +136,11 @@ def fake_manifest():
         entry("tree_partial", 64, 4, 3, BLOCK_M=64, SLOT_RUNS=0),
         entry("tree_partial", 32, 2, 2, BLOCK_M=16, SLOT_RUNS=0),
         entry("tree_partial", 128, 8, 2, BLOCK_M=64, SLOT_RUNS=2),
-        entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0, COMMON=0),
-        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1, COMMON=0),
-        entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1, COMMON=0),
-        entry("tree_final", 64, 4, 2, BLOCK_M=16, PACKED=1, COMMON=1)]}
+        entry("tree_final", 32, 2, 2, BLOCK_M=16, PACKED=0, COMMON=0, DRAFT=0),
+        entry("tree_final", 16, 2, 1, BLOCK_M=16, PACKED=0, COMMON=0, DRAFT=1),
+        entry("tree_final", 64, 2, 2, BLOCK_M=16, PACKED=1, COMMON=0, DRAFT=0),
+        entry("tree_final", 32, 2, 3, BLOCK_M=32, PACKED=1, COMMON=0, DRAFT=0),
+        entry("tree_final", 64, 4, 2, BLOCK_M=16, PACKED=1, COMMON=1, DRAFT=0)]}
 
 
 def test_compiled_configs_match_the_rule_lists_kernel_exactly():
@@ -147,6 +148,7 @@ def test_compiled_configs_match_the_rule_lists_kernel_exactly():
     assert tune.compiled_configs(manifest, "paged_decode/float16/128") == [(32, 2, 2), (64, 4, 2)]
     assert tune.compiled_configs(manifest, "paged_decode_split/float16/128") == [(64, 4, 3)]
     assert tune.compiled_configs(manifest, "tree_final/float16/128") == [(32, 2, 2)]
+    assert tune.compiled_configs(manifest, "tree_final_draft/float16/128") == [(16, 2, 1)]
     assert tune.compiled_configs(manifest, "tree_final_packed/float16/128") == [(64, 2, 2)]
     assert tune.compiled_configs(manifest, "tree_final_packed_wide/float16/128") == [(32, 2, 3)]
     assert tune.compiled_configs(manifest, "tree_final_common/float16/128") == [(64, 4, 2)]

@@ -62,10 +62,12 @@ def no_keys(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
 @triton.jit
 def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size, start,
            end, sm_scale_log2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr):
+           BLOCK_N: tl.constexpr, draft_start=0, draft_allowed=0, DRAFT: tl.constexpr = False):
     """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
     (``table`` is its block table row, of ``table_tokens`` tokens' pages). Returns (row max in
-    base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0).
+    base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0). With ``DRAFT``
+    the tokens from ``draft_start`` are a draft, read where :func:`draft_allows` (a whole tile
+    may be masked: rows may stay empty).
 
     Each token's K/V row is addressed through its page id, a division and a remainder by
     ``page_size`` per token: the callers' ``PAGE`` constexpr makes it a constant where the page
@@ -83,14 +85,25 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     for n0 in tl.range(start, end, BLOCK_N):
         n = n0 + offs
         n_ok = n < end
+        if DRAFT:  # masked draft tokens read as zeros: a NaN there stays out, as in the reference
+            n_ok = n_ok & draft_allows(n, draft_start, draft_allowed)
         kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
         k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
         ahead = n + BLOCK_N
         page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
         s = tile_scores(qt, k, n_ok, sm_scale_log2, True)
-        # Every tile holds at least one valid key (n0 < end): no row is empty.
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, False)
+        # Without drafts every tile holds at least one valid key (n0 < end): no row is empty.
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DRAFT)
     return m_i, l_i, acc
+
+
+@triton.jit
+def draft_allows(n, draft_start, draft_allowed):
+    """Whether tokens ``n`` may be read: before ``draft_start``, or a draft token whose bit of
+    ``draft_allowed`` (bit k: token ``draft_start + k``, k < 64) is set."""
+    k = n - draft_start
+    bit = (draft_allowed >> tl.minimum(tl.maximum(k, 0), 63).to(tl.int64)) & 1
+    return (k < 0) | (bit != 0)
 
 
 @triton.jit

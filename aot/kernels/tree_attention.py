@@ -29,6 +29,10 @@ into their final ranges, not computed: ``planner.PlanArrays.common``), so the pr
 walks it once as a dense tile of all its rows, through its lead lane's table, then each
 lane's own rest side by side; the lanes' final ranges begin where it ends.
 
+``DRAFT`` (one branch per program): each row's last ``draft_masks[row, 0]`` tokens are a draft
+it reads where its bits ``draft_masks[row, 1]`` allow (``attention_core.draft_allows``); a plan
+with draft masks reads every draft token here, in its rows' final ranges.
+
 ``PDL`` (sm90, ``dispatch.grid_dependency``): the partial launch lets the final (or merge)
 launch start once its programs are past their walks (or, with the plan's ``early_final``, once
 they have started), and that launch waits for it only before it reads the partials: its
@@ -144,11 +148,11 @@ def tree_partial(q, k_pool, v_pool, block_tables, seq_lens, order, items, entry_
 
 @triton.jit
 def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, merge_ptr, common,
-               partial_out, partial_lse, out, sm_scale_log2, num_qo_heads, num_kv_heads,
-               page_size, max_blocks, num_rows, lanes, heads_first,
+               draft_masks, partial_out, partial_lse, out, sm_scale_log2, num_qo_heads,
+               num_kv_heads, page_size, max_blocks, num_rows, lanes, heads_first,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               PACKED: tl.constexpr, COMMON: tl.constexpr, PAGE: tl.constexpr,
-               PDL: tl.constexpr):
+               PACKED: tl.constexpr, COMMON: tl.constexpr, DRAFT: tl.constexpr,
+               PAGE: tl.constexpr, PDL: tl.constexpr):
     if PAGE:  # a compiled page size (attention_core.attend)
         page_size = PAGE
     d = tl.arange(0, HEAD_DIM)
@@ -190,9 +194,16 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
         steps = tl.max(count, 0)
     else:
         start, end = final_range(seq, True, seq_lens, final_start, page_size, max_blocks)
+        draft_start = 0
+        draft_allowed = 0
+        if DRAFT:  # the row's draft mask: its last tokens, read as its bits allow
+            mask = draft_masks + seq.to(tl.int64) * 2
+            draft_start = end - tl.load(mask).to(tl.int32)
+            draft_allowed = tl.load(mask + 1)
         m_i, l_i, acc = attend(qt, k_pool, v_pool, block_tables + seq.to(tl.int64) * max_blocks,
                                max_blocks * page_size, kv_head, num_kv_heads, page_size, start,
-                               end, sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N)
+                               end, sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, draft_start,
+                               draft_allowed, DRAFT)
         lo = tl.load(merge_ptr + seq)
         count = tl.load(merge_ptr + seq + 1) - lo
         steps = count

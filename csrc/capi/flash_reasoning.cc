@@ -3,6 +3,7 @@
 #include "flash_reasoning/flash_reasoning.h"
 
 #include <cmath>
+#include <cstddef>
 #include <memory>
 #include <new>
 #include <string>
@@ -171,6 +172,15 @@ FR_EXPORT frStatus frContextArch(frContext context, const char** arch) {
 
 FR_EXPORT frStatus frPlanCreate(frContext context, const frAttentionShape* shape, const frTree* tree,
                                 int32_t extra_blocks, frPlan* out) {
+  return frPlanCreateWithDraftMasks(context, shape, tree, nullptr, extra_blocks, out);
+}
+
+static_assert(sizeof(frDraftMask) == sizeof(fr::DraftMask) && offsetof(frDraftMask, allowed) == 8,
+              "frDraftMask is the core's DraftMask");
+static_assert(FR_MAX_DRAFT_TOKENS == fr::kMaxDraftTokens, "one draft bound");
+
+FR_EXPORT frStatus frPlanCreateWithDraftMasks(frContext context, const frAttentionShape* shape, const frTree* tree,
+                                              const frDraftMask* masks, int32_t extra_blocks, frPlan* out) {
   return guarded([&] {
     if (!context || !out) return invalid("context and out must not be NULL");
     std::shared_ptr<ContextObject> object;
@@ -180,7 +190,9 @@ FR_EXPORT frStatus frPlanCreate(frContext context, const frAttentionShape* shape
     if (st.ok()) st = to_shape(shape, &s);
     if (st.ok()) st = to_tree(tree, &t);
     std::unique_ptr<fr::TreeAttentionPlan> core;
-    if (st.ok()) st = fr::TreeAttentionPlan::create(object->core.get(), s, t, extra_blocks, fr::PlanOptions(), &core);
+    if (st.ok())
+      st = fr::TreeAttentionPlan::create(object->core.get(), s, t, extra_blocks, fr::PlanOptions(), &core,
+                                         reinterpret_cast<const fr::DraftMask*>(masks));
     if (st.ok() && !object->core->host_only()) st = core->allocate_workspace();
     uint64_t handle = 0;
     if (st.ok()) st = Handles::instance().add_plan(value_of(context), std::move(object), std::move(core), &handle);

@@ -59,6 +59,30 @@ std::vector<int32_t> dense_tables(const AttentionShape& shape, const TreeInput& 
   return out;
 }
 
+// Draft masks of `rows` rows: tokens in [0, kMaxDraftTokens], and, given the rows' lengths,
+// within them.
+Status check_drafts(const DraftMask* drafts, int64_t rows, const int32_t* lengths = nullptr) {
+  for (int64_t i = 0; i < rows; ++i) {
+    int64_t tokens = drafts[i].tokens;
+    if (tokens < 0 || tokens > kMaxDraftTokens)
+      return invalid("draft_masks[" + std::to_string(i) + "].tokens must be in [0, " + std::to_string(kMaxDraftTokens) +
+                     "], got " + std::to_string(tokens));
+    if (lengths && tokens > lengths[i])
+      return invalid("draft_masks[" + std::to_string(i) + "].tokens is " + std::to_string(tokens) + ", past branch " +
+                     std::to_string(i) + "'s " + std::to_string(lengths[i]) + " tokens");
+  }
+  return Status::Ok();
+}
+
+// A plan with draft masks reads every draft token in the one-row final kernel, the only one that
+// applies them: each row in its own final program, never merged separately (which would read
+// the draft tokens in open partial items), never a paged decode.
+PlanOptions draft_options(PlanOptions options) {
+  options.separate_merge = 0;
+  options.final_lanes = 1;
+  return options;
+}
+
 int64_t longest_item(const ItemList& items) {
   int64_t longest = 0;
   for (int64_t k = 0; k < items.count(); ++k)
@@ -98,39 +122,46 @@ Status plan_shape_of(const Context* ctx, const AttentionShape& shape, int64_t nu
 }  // namespace
 
 Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, const TreeInput& tree, int64_t extra_blocks,
-                                 const PlanOptions& options, std::unique_ptr<TreeAttentionPlan>* out) {
+                                 const PlanOptions& options, std::unique_ptr<TreeAttentionPlan>* out,
+                                 const DraftMask* drafts) {
   Status st = ctx ? check_shape(*ctx, shape, "tree_final") : check_shape_fields(shape);
   if (st.ok()) st = check_tree(shape, tree, tree.stride, Code::kInvalidArgument);
+  if (st.ok() && drafts) st = check_drafts(drafts, tree.num_branches, tree.lengths);
   if (!st.ok()) return st;
+  // Rows are planned without their draft tokens (create's `drafts`).
   std::vector<int64_t> lengths(tree.lengths, tree.lengths + tree.num_branches);
+  for (size_t i = 0; drafts && i < lengths.size(); ++i) lengths[i] -= drafts[i].tokens;
   SegmentTree segments;
   st = segment_tree_from_tables(tree.num_branches, lengths.data(), tree.tables, tree.stride, shape.block_size,
                                 &segments);
   if (!st.ok()) return st;
-  return create(ctx, shape, std::move(segments), tree.tables, tree.stride, extra_blocks, options, out);
+  return create(ctx, shape, std::move(segments), tree.tables, tree.stride, extra_blocks, options, out, 0, drafts);
 }
 
 Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, SegmentTree tree, const int32_t* tables,
                                  int64_t stride, int64_t extra_blocks, const PlanOptions& options,
-                                 std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms) {
+                                 std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms, const DraftMask* drafts) {
   Status st = ctx ? check_shape(*ctx, shape, "tree_final") : check_shape_fields(shape, false);
   if (!st.ok()) return st;
   if (extra_blocks < 0) return invalid("extra_blocks must be >= 0, got " + std::to_string(extra_blocks));
   if (num_sms < 0) return invalid("num_sms must be >= 0 (0: the context's), got " + std::to_string(num_sms));
   if (!tables && ctx) return invalid("a plan with kernels needs the branches' block tables");
-  std::vector<int32_t> lengths(tree.lengths.size());
+  if (drafts && !(st = check_drafts(drafts, tree.num_rows())).ok()) return st;
+  std::vector<int32_t> lengths(tree.lengths.size());  // with the draft tokens: what runs read
   for (size_t i = 0; i < lengths.size(); ++i) {
-    if (tree.lengths[i] > INT_MAX)
-      return invalid("branch " + std::to_string(i) + " has " + std::to_string(tree.lengths[i]) +
+    int64_t length = tree.lengths[i] + (drafts ? drafts[i].tokens : 0);
+    if (length > INT_MAX)
+      return invalid("branch " + std::to_string(i) + " has " + std::to_string(length) +
                      " tokens: the kernels index tokens in int32 (at most 2^31 - 1)");
-    lengths[i] = int32_t(tree.lengths[i]);
+    lengths[i] = int32_t(length);
   }
   TreeInput input{tree.num_rows(), lengths.data(), tables, stride};
   if (tables && !(st = check_tree(shape, input, stride, Code::kInvalidArgument)).ok()) return st;
 
   std::unique_ptr<TreeAttentionPlan> p(new TreeAttentionPlan(ctx, shape));
   if (!(st = plan_shape_of(ctx, shape, num_sms, &p->plan_shape_)).ok()) return st;
-  if (!(st = make_plan(tree, p->plan_shape_, options, &p->plan_)).ok()) return st;
+  if (!(st = make_plan(tree, p->plan_shape_, drafts ? draft_options(options) : options, &p->plan_)).ok()) return st;
+  if (drafts) p->drafts_.assign(drafts, drafts + tree.num_rows());
   if (tables && !(st = p->take_tables(input, extra_blocks)).ok()) return st;
   p->lengths_ = std::move(lengths);
   p->tree_ = std::move(tree);
@@ -178,8 +209,12 @@ int64_t TreeAttentionPlan::logical_tokens() const {
 
 void TreeAttentionPlan::layout_workspace() {
   size_t n = size_t(num_branches()), partial_values = size_t(plan_.num_entries * shape_.num_qo_heads);
-  size_t sizes[kNumRegions] = {work_.size() * 4, n * size_t(max_blocks_) * 4, n * 4,
-                               partial_values * size_t(shape_.head_dim) * 4, partial_values * 4};
+  size_t sizes[kNumRegions] = {work_.size() * 4,
+                               n * size_t(max_blocks_) * 4,
+                               n * 4,
+                               drafts_.size() * sizeof(DraftMask),
+                               partial_values * size_t(shape_.head_dim) * 4,
+                               partial_values * 4};
   workspace_bytes_ = 0;
   for (int r = 0; r < kNumRegions; ++r) {
     regions_[r] = {workspace_bytes_, sizes[r]};
@@ -189,6 +224,8 @@ void TreeAttentionPlan::layout_workspace() {
   std::memcpy(image_.data(), work_.data(), sizes[0]);
   std::memcpy(image_.data() + regions_[int(Region::kTables)].offset, tables_.data(), sizes[1]);
   std::memcpy(image_.data() + regions_[int(Region::kLengths)].offset, lengths_.data(), sizes[2]);
+  if (!drafts_.empty())
+    std::memcpy(image_.data() + regions_[int(Region::kDraftMasks)].offset, drafts_.data(), sizes[3]);
 }
 
 LaunchArg TreeAttentionPlan::work_list(const char* name, size_t list) const {
@@ -266,8 +303,8 @@ Status TreeAttentionPlan::add_last_launch() {
   } else {
     // A packed program (several lanes) walks its lanes' ranges side by side: its own rule list,
     // one per final tile, and one for programs that read their lanes' shared range first.
-    std::string kernel = "tree_final/";
-    if (lanes > 1) {
+    std::string kernel = drafts_.empty() ? "tree_final/" : "tree_final_draft/";
+    if (lanes > 1) {  // never with drafts (draft_options)
       bool wide = plan_shape_.final_block_m(lanes) > plan_shape_.block_ms[0];
       kernel = std::string(plan_.has_common() ? "tree_final_common" : "tree_final_packed") + (wide ? "_wide/" : "/");
     }
@@ -285,6 +322,7 @@ Status TreeAttentionPlan::add_last_launch() {
                           work_list("final_start", kFinalStart),
                           work_list("merge_ptr", kMergePtr),
                           work_list("common", kCommon),
+                          region_arg("draft_masks", Region::kDraftMasks),
                           region_arg("partial_out", Region::kPartialOut),
                           region_arg("partial_lse", Region::kPartialLse),
                           call(3),
@@ -350,9 +388,12 @@ Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_
   if (!st.ok()) return st;
   for (int64_t b = 0; b < tree.num_branches; ++b) {
     int64_t shared_until = plan_.final_start[b];
-    if (tree.lengths[b] < shared_until)
+    // A row's draft tokens are its last: they must stay in its final range, where the mask applies.
+    int64_t drafted = drafts_.empty() ? 0 : drafts_[b].tokens;
+    if (tree.lengths[b] - drafted < shared_until)
       return mismatch("branch " + std::to_string(b) + " shrank to " + std::to_string(tree.lengths[b]) +
-                      " tokens, below the " + std::to_string(shared_until) + " the plan reads in shared ranges");
+                      " tokens, below the " + std::to_string(shared_until) + " the plan reads in shared ranges" +
+                      (drafted ? " and its " + std::to_string(drafted) + " draft tokens" : ""));
     for (int64_t j = 0; j < ceil_div(shared_until, shape_.block_size); ++j)
       if (tree.tables[b * tree.stride + j] != tables_[b * max_blocks_ + j])
         return mismatch("branch " + std::to_string(b) + " changed block " + std::to_string(j) + " (" +

@@ -30,13 +30,25 @@ struct TreeInput {
   int64_t stride = 0;
 };
 
+// The most tokens a row's draft mask covers: its allowed bits are one 64-bit word.
+constexpr int64_t kMaxDraftTokens = 64;
+
+// A row's draft mask (speculative-tree verification): the row's last `tokens` tokens are a
+// draft, of which it attends those whose bit is set in `allowed` (bit k: the k-th), and every
+// token before them. The kernels read it as two int64 per row.
+struct DraftMask {
+  int64_t tokens = 0;
+  uint64_t allowed = 0;
+};
+static_assert(sizeof(DraftMask) == 16, "the kernels read a row's draft mask as two int64");
+
 // The pointers each run passes, in this order (LaunchArg::Call indices).
 constexpr std::array<const char*, 4> kPlanPointers = {"q", "k_pool", "v_pool", "out"};
 
-// A plan's workspace: these regions in this order, each 256-byte aligned. The first three are the
+// A plan's workspace: these regions in this order, each 256-byte aligned. The first four are the
 // plan's image (written from the host); its kernels write the partials.
-enum class Region { kWork, kTables, kLengths, kPartialOut, kPartialLse };
-constexpr int kNumRegions = 5;
+enum class Region { kWork, kTables, kLengths, kDraftMasks, kPartialOut, kPartialLse };
+constexpr int kNumRegions = 6;
 struct RegionSpan {
   size_t offset = 0, bytes = 0;
 };
@@ -48,12 +60,16 @@ class TreeAttentionPlan {
   // beyond the longest branch let branches grow), for `num_sms` SMs (0: the context's). With a
   // context the kernels are picked and the launches listed; without (`ctx` null: the PyTorch
   // path, planning tools; any dtype) there are none, and `tables` may be null (planning only).
+  // `drafts` (null: none): row i's draft mask, its draft tokens beyond tree.lengths[i] (the row
+  // is planned without them, and they are read in its final range only, where the mask applies).
   static Status create(Context* ctx, const AttentionShape& shape, SegmentTree tree, const int32_t* tables,
                        int64_t stride, int64_t extra_blocks, const PlanOptions& options,
-                       std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms = 0);
-  // The C ABI's: sharing read from the tables (segment_tree_from_tables).
+                       std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms = 0, const DraftMask* drafts = nullptr);
+  // The C ABI's: sharing read from the tables (segment_tree_from_tables); `drafts` as above,
+  // each row's draft tokens its last (within tree.lengths[i]).
   static Status create(Context* ctx, const AttentionShape& shape, const TreeInput& tree, int64_t extra_blocks,
-                       const PlanOptions& options, std::unique_ptr<TreeAttentionPlan>* out);
+                       const PlanOptions& options, std::unique_ptr<TreeAttentionPlan>* out,
+                       const DraftMask* drafts = nullptr);
   ~TreeAttentionPlan();
   TreeAttentionPlan(const TreeAttentionPlan&) = delete;
   TreeAttentionPlan& operator=(const TreeAttentionPlan&) = delete;
@@ -68,6 +84,8 @@ class TreeAttentionPlan {
   // or 0 (the page kernels); planner.h's item_runs.
   const std::vector<int>& slot_runs() const { return slot_runs_; }
   int64_t num_branches() const { return tree_.num_rows(); }
+  // Row i's draft mask (empty: a plan without drafts).
+  const std::vector<DraftMask>& drafts() const { return drafts_; }
   int64_t max_blocks() const { return max_blocks_; }
   int64_t unique_tokens() const;
   int64_t logical_tokens() const;
@@ -107,9 +125,10 @@ class TreeAttentionPlan {
   PlanShape plan_shape_;
   Plan plan_;
   int64_t max_blocks_ = 0;
-  std::vector<int32_t> tables_;   // [num_branches, max_blocks_]
-  std::vector<int32_t> lengths_;  // [num_branches]: at creation, then each update's
-  std::vector<int32_t> work_;     // the planner's lists packed for one upload (pack_work_lists)
+  std::vector<int32_t> tables_;    // [num_branches, max_blocks_]
+  std::vector<int32_t> lengths_;   // [num_branches]: at creation, then each update's
+  std::vector<DraftMask> drafts_;  // [num_branches] or empty
+  std::vector<int32_t> work_;      // the planner's lists packed for one upload (pack_work_lists)
   std::vector<int64_t> work_offset_;
   std::vector<int> slot_runs_;
   std::vector<OpLaunch> launches_;

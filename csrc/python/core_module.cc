@@ -304,6 +304,9 @@ py::dict plan_arrays(const fr::TreeAttentionPlan& plan) {
   d["as_paged_decode"] = p.as_paged_decode;
   d["early_final"] = p.early_final;
   d["final_heads_first"] = p.final_heads_first;
+  std::vector<int64_t> drafts;
+  for (const fr::DraftMask& m : plan.drafts()) drafts.insert(drafts.end(), {m.tokens, int64_t(m.allowed)});
+  d["draft_masks"] = to_numpy(drafts).attr("reshape")(-1, 2);
   py::dict items, heads_first;
   for (const fr::ItemList& list : p.items) {
     items[py::int_(list.block_m)] =
@@ -328,19 +331,26 @@ py::dict plan_arrays(const fr::TreeAttentionPlan& plan) {
 }
 
 using Int32Table = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+using Int64Table = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
 // A plan of `tree` (Python's SegmentTree) whose row i's blocks are tables[i] (None: planning
-// only); `context` None plans without kernels (the PyTorch path, planning tools).
+// only); `context` None plans without kernels (the PyTorch path, planning tools); `draft_masks`
+// (None: none) row i's DraftMask as int64 [tokens, allowed bits].
 std::unique_ptr<fr::TreeAttentionPlan> make_tree_plan(fr::Context* context, const py::dict& shape,
                                                       const py::object& tree, const std::optional<Int32Table>& tables,
-                                                      int64_t extra_blocks, const py::dict& options, int64_t num_sms) {
+                                                      int64_t extra_blocks, const py::dict& options, int64_t num_sms,
+                                                      const std::optional<Int64Table>& draft_masks) {
   fr::SegmentTree t = tree_from_python(tree);
   require(!tables || (tables->ndim() == 2 && tables->shape(0) == t.num_rows()),
           "tables must be [num_branches, columns]");
+  require(
+      !draft_masks || (draft_masks->ndim() == 2 && draft_masks->shape(0) == t.num_rows() && draft_masks->shape(1) == 2),
+      "draft_masks must be int64 [num_branches, 2]");
   std::unique_ptr<fr::TreeAttentionPlan> plan;
-  check(fr::TreeAttentionPlan::create(context, shape_from(shape), std::move(t), tables ? tables->data() : nullptr,
-                                      tables ? tables->shape(1) : 0, extra_blocks, options_from(options), &plan,
-                                      num_sms));
+  check(fr::TreeAttentionPlan::create(
+      context, shape_from(shape), std::move(t), tables ? tables->data() : nullptr, tables ? tables->shape(1) : 0,
+      extra_blocks, options_from(options), &plan, num_sms,
+      draft_masks ? reinterpret_cast<const fr::DraftMask*>(draft_masks->data()) : nullptr));
   return plan;
 }
 
@@ -348,6 +358,7 @@ py::dict regions(const fr::TreeAttentionPlan& plan) {
   static const std::pair<const char*, fr::Region> kNames[] = {{"work", fr::Region::kWork},
                                                               {"tables", fr::Region::kTables},
                                                               {"lengths", fr::Region::kLengths},
+                                                              {"draft_masks", fr::Region::kDraftMasks},
                                                               {"partial_out", fr::Region::kPartialOut},
                                                               {"partial_lse", fr::Region::kPartialLse}};
   py::dict d;
@@ -642,6 +653,7 @@ PYBIND11_MODULE(_core, m) {
           py::arg("pointers"), py::arg("num_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("stream"),
           "Write K/V rows into pool slots on `stream` (pointers in APPEND_KV_POINTERS order).");
   m.attr("HOST_ONLY_SMS") = int(fr::Context::kHostOnlySms);
+  m.attr("MAX_DRAFT_TOKENS") = fr::kMaxDraftTokens;
   m.attr("PLAN_POINTERS") = py::cast(std::vector<std::string>(fr::kPlanPointers.begin(), fr::kPlanPointers.end()));
   m.attr("PAGED_DECODE_POINTERS") =
       py::cast(std::vector<std::string>(fr::kDecodePointers.begin(), fr::kDecodePointers.end()));
@@ -652,10 +664,12 @@ PYBIND11_MODULE(_core, m) {
                                     "tree_attention's plan as the C++ core builds it for both front ends: the "
                                     "planner's lists, the launches, the workspace layout and its image.")
       .def(py::init(&make_tree_plan), py::arg("context"), py::arg("shape"), py::arg("tree"), py::arg("tables"),
-           py::arg("extra_blocks"), py::arg("options"), py::arg("num_sms") = 0, py::keep_alive<1, 2>(),
+           py::arg("extra_blocks"), py::arg("options"), py::arg("num_sms") = 0, py::arg("draft_masks") = py::none(),
+           py::keep_alive<1, 2>(),
            "Plan `tree` (a SegmentTree) over `tables` (int32 [num_branches, columns]); `context` None plans "
            "without kernels. `shape`: num_qo_heads, num_kv_heads, head_dim, dtype, block_size, num_blocks, "
-           "sm_scale; `options`: planner.PlanOptions' fields as ints; `num_sms` 0: the context's.")
+           "sm_scale; `options`: planner.PlanOptions' fields as ints; `num_sms` 0: the context's; `draft_masks`: "
+           "int64 [num_branches, 2], each row's draft tokens (beyond its tree length) and allowed bits.")
       .def_property_readonly("arrays", &plan_arrays, "The plan's lists (planner.PlanArrays' fields).")
       .def_property_readonly(
           "launches",

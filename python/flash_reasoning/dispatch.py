@@ -66,17 +66,19 @@ FINAL_WIDE_BLOCK_M = 32
 #: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``),
 #: ``tree_final_packed_wide`` (as many as :data:`FINAL_WIDE_BLOCK_M` rows hold),
 #: ``tree_final_common`` and ``tree_final_common_wide`` (packed programs that first walk the
-#: range their lanes share, ``PlanArrays.common``) and ``tree_partial`` (a list per query-row
-#: tile). A rule list (``tuning_table.Rules``) gives a config by the launch's programs per SM
-#: and the most tokens one program walks; the manifest exports the same lists.
+#: range their lanes share, ``PlanArrays.common``), ``tree_final_draft`` (one branch per
+#: program, its draft tokens read as its draft mask allows) and ``tree_partial`` (a list per
+#: query-row tile). A rule list (``tuning_table.Rules``) gives a config by the launch's
+#: programs per SM and the most tokens one program walks; the manifest exports the same lists.
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None),
               ("tree_final_packed", None), ("tree_final_packed_wide", None),
-              ("tree_final_common", None), ("tree_final_common_wide", None)) + \
+              ("tree_final_common", None), ("tree_final_common_wide", None),
+              ("tree_final_draft", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 #: The kernel family and the specialization keys each rule list's kernel stands for.
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                    "paged_decode_split": ("paged_decode", {"SPLIT": 1}),
-                   "tree_final": ("tree_final", {"PACKED": 0}),
+                   "tree_final": ("tree_final", {"PACKED": 0, "DRAFT": 0}),
                    "tree_final_packed": ("tree_final", {"PACKED": 1, "COMMON": 0,
                                                         "BLOCK_M": BLOCK_M}),
                    "tree_final_packed_wide": ("tree_final", {"PACKED": 1, "COMMON": 0,
@@ -85,6 +87,7 @@ RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                                                         "BLOCK_M": BLOCK_M}),
                    "tree_final_common_wide": ("tree_final", {"PACKED": 1, "COMMON": 1,
                                                              "BLOCK_M": FINAL_WIDE_BLOCK_M}),
+                   "tree_final_draft": ("tree_final", {"PACKED": 0, "DRAFT": 1}),
                    "tree_partial": ("tree_partial", {})}
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
@@ -209,13 +212,16 @@ def rules(kernel: str, dtype: str, head_dim: int, arch: str,
           block_m: int | None = None, slot_runs: int = 0) -> tuple[Rules, str]:
     """The rule list serving ``kernel`` (its ``slot_runs`` kernels': runs of slots) and where
     it comes from: the arch's tuning table (shipped, or ``$FLASH_REASONING_TUNING``) when it
-    has the key, else the page kernels' list (slot-run kernels), else the heuristics."""
+    has the key, else the page kernels' list (slot-run kernels), or the one-branch final
+    kernel's (the draft kernel: the same walk, a mask more), else the heuristics."""
     key = rule_key(kernel, dtype, head_dim, block_m, 0, slot_runs)
     table = tuning_table.load(arch)
     if table is not None and key in table.rules:
         return table.rules[key], table.source
     if slot_runs:
         return rules(kernel, dtype, head_dim, arch, block_m)
+    if kernel == "tree_final_draft":
+        return rules("tree_final", dtype, head_dim, arch)
     return heuristic_rules(kernel, head_dim, arch, block_m), "heuristic"
 
 
@@ -376,17 +382,18 @@ def tree_partial_spec(dtype: str, head_dim: int, block_m: int, arch: str,
 @functools.lru_cache(maxsize=None)
 def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
                     packed: bool = False, page_size: int = 0, wide: bool = False,
-                    common: bool = False) -> Spec:
+                    common: bool = False, draft: bool = False) -> Spec:
     """One branch's GQA group per program, like the decode kernel, or (``packed``) the groups
     of several branches, in the narrow tile or (``wide``) :data:`FINAL_WIDE_BLOCK_M` rows;
-    ``common``: packed programs that first walk the range their lanes share."""
+    ``common``: packed programs that first walk the range their lanes share; ``draft``: one
+    branch per program, its draft tokens read as its draft mask allows."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    kernel = tree_final_kernel(packed, wide, common)
+    kernel = tree_final_kernel(packed, wide, common, draft)
     block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(TREE_FINAL, dtype, warps, stages, HEAD_DIM=head_dim,
                      BLOCK_M=RULE_LIST_SPECS[kernel][1].get("BLOCK_M", BLOCK_M),
-                     BLOCK_N=block_n, PACKED=int(packed), COMMON=int(common),
+                     BLOCK_N=block_n, PACKED=int(packed), COMMON=int(common), DRAFT=int(draft),
                      PAGE=compiled_page(page_size), PDL=grid_dependency(arch))
 
 
@@ -400,19 +407,25 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, slot_runs)
     if kernel.startswith("tree_final"):
-        return tree_final_spec(dtype, head_dim, arch, config, kernel != "tree_final", page_size,
-                               kernel.endswith("_wide"), kernel.startswith("tree_final_common"))
+        packed = kernel not in ("tree_final", "tree_final_draft")
+        return tree_final_spec(dtype, head_dim, arch, config, packed, page_size,
+                               kernel.endswith("_wide"), kernel.startswith("tree_final_common"),
+                               kernel == "tree_final_draft")
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config, page_size)
 
 
-def tree_final_kernel(packed: bool, wide: bool = False, common: bool = False) -> str:
+def tree_final_kernel(packed: bool, wide: bool = False, common: bool = False,
+                      draft: bool = False) -> str:
     """The rule list of a ``tree_final`` launch: packed programs (several branches each) have
-    their own, one per final tile, and so do packed programs with a shared range."""
+    their own, one per final tile, and so do packed programs with a shared range, and
+    one-branch programs that apply draft masks."""
     if (wide or common) and not packed:
         raise ValueError("the wide final tile and shared ranges are packed kernels': one "
                          "branch's group fits the narrow tile and has no lanes to share with")
+    if draft and packed:
+        raise ValueError("draft masks are read by one-branch final programs only")
     if not packed:
-        return "tree_final"
+        return "tree_final_draft" if draft else "tree_final"
     kernel = "tree_final_common" if common else "tree_final_packed"
     return f"{kernel}_wide" if wide else kernel
 

@@ -107,7 +107,10 @@ class PlanArrays:
     programs' start, not after their walks. ``as_paged_decode``:
     the plan has no partials (nothing computed, nothing split) and the planner chose the lanes,
     so its one launch is a paged decode: ``paged_decode``'s kernel, unsplit, over the plan's
-    tables (``runs_as_paged_decode`` in csrc/planner/planner.h says why). ``stats``: node
+    tables (``runs_as_paged_decode`` in csrc/planner/planner.h says why). ``draft_masks``
+    (int64 ``[rows, 2]``, no rows in a plan without drafts): each row's last
+    ``draft_masks[b, 0]`` tokens are draft tokens, read in its final range where bit k of
+    ``draft_masks[b, 1]`` allows the k-th. ``stats``: node
     and computed-node counts, the chunk length, the cost model's estimate, partial programs."""
     order: np.ndarray
     chunk_start: np.ndarray
@@ -130,6 +133,7 @@ class PlanArrays:
     final_heads_first: bool
     early_final: bool
     as_paged_decode: bool
+    draft_masks: np.ndarray
     stats: dict
 
     @property

@@ -41,26 +41,35 @@ def decode_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[tor
 
 
 def query_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                    q_lens: list[int], sm_scale: float | None = None) -> torch.Tensor:
-    """Causal attention of several query tokens per sequence, in float64: sequence ``i``'s
-    last ``q_lens[i]`` positions are its new tokens, and its query ``j`` (row
+                    q_lens: list[int], sm_scale: float | None = None,
+                    masks: list | None = None) -> torch.Tensor:
+    """Attention of several query tokens per sequence, in float64: sequence ``i``'s last
+    ``q_lens[i]`` positions are its new tokens, and its query ``j`` (row
     ``sum(q_lens[:i]) + j`` of ``q``) attends to its positions below
-    ``len_i - q_lens[i] + j + 1``. One query per sequence is :func:`decode_attention`."""
+    ``len_i - q_lens[i] + j + 1`` (causal), or, with ``masks[i]`` (bool ``[q_lens[i],
+    q_lens[i]]``, None: causal), to the positions before the new tokens and to new token ``k``
+    where ``masks[i][j, k]``. A query with nothing to attend gives zeros. One query per
+    sequence is :func:`decode_attention`."""
     num_qo_heads, head_dim = q.shape[1:]
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     out = torch.zeros(q.shape, dtype=torch.float64)
     first = 0
-    for k, v, n in zip(keys, values, q_lens):
+    for i, (k, v, n) in enumerate(zip(keys, values, q_lens)):
         rows, first = slice(first, first + n), first + n
         if n == 0:
             continue
         length, group = k.shape[0], num_qo_heads // k.shape[1]
         k = k.cpu().double().repeat_interleave(group, dim=1)
         v = v.cpu().double().repeat_interleave(group, dim=1)
+        allowed = torch.arange(length) < length - n  # [n, length]: the tokens before the new
+        allowed = allowed.expand(n, length).clone()
+        new = torch.ones(n, n, dtype=torch.bool).tril() if masks is None or masks[i] is None \
+            else torch.as_tensor(masks[i]).cpu().bool()
+        allowed[:, length - n:] = new
         scores = torch.einsum("jhd,lhd->hjl", q[rows].cpu().double(), k) * scale
-        ends = length - n + torch.arange(1, n + 1)  # query j sees positions below ends[j]
-        scores.masked_fill_(torch.arange(length) >= ends[:, None], float("-inf"))
-        out[rows] = torch.einsum("hjl,lhd->jhd", torch.softmax(scores, dim=-1), v)
+        scores.masked_fill_(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill(~allowed.any(1)[:, None], 0.0)
+        out[rows] = torch.einsum("hjl,lhd->jhd", probs, v)
     return out
 
 
@@ -93,13 +102,13 @@ TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2,
 
 
 def tree_attention(q, allocator, branch_ids, layer: int = 0, sm_scale=None,
-                   q_lens=None) -> torch.Tensor:
+                   q_lens=None, mask=None) -> torch.Tensor:
     """Reference for :func:`flash_reasoning.tree_attention`: each branch's whole path read
-    through its own block table, as if nothing were shared (``q_lens``:
+    through its own block table, as if nothing were shared (``q_lens`` and ``mask``:
     :func:`query_attention`)."""
     tables, lengths = allocator.block_tables(branch_ids)
     keys, values = gather_paths(allocator.k_pools[layer], allocator.v_pools[layer], tables,
                                 lengths)
     if q_lens is None:
         return decode_attention(q, keys, values, sm_scale)
-    return query_attention(q, keys, values, [int(n) for n in q_lens], sm_scale)
+    return query_attention(q, keys, values, [int(n) for n in q_lens], sm_scale, mask)

@@ -91,7 +91,8 @@ class SegmentTree:
         return None if arrays is None else cls(branch_ids=own_ids(branch_ids), **arrays)
 
 
-def query_rows(q_lens: np.ndarray, block: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def query_rows(q_lens: np.ndarray, block: int = 1,
+               drafts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rows of several query tokens per branch: branch ``i``'s ``q_lens[i]`` rows, in
     branch order, row ``j`` of them holding its first ``length_i - q_lens[i] + j + 1`` tokens
     (what its query ``j`` attends causally). Returns each row's branch index and the offset
@@ -101,11 +102,16 @@ def query_rows(q_lens: np.ndarray, block: int = 1) -> tuple[np.ndarray, np.ndarr
     ``block`` > 1 rounds each row's new tokens down to a multiple of ``block``
     (``(j + 1) // block * block``): the rows a plan is built on, so that the queries of a block
     share the new tokens before it as a node; each row then grows to its causal length at run
-    time, into its plan's final range, as decode rows grow."""
+    time, into its plan's final range, as decode rows grow. ``drafts`` (bool per branch):
+    branches whose queries verify a draft under a mask: their rows hold the tokens before the
+    new ones (offset ``-q_lens[i]``), whatever the block; the new tokens are each row's draft
+    tokens, read as its mask allows."""
     counts = np.asarray(q_lens, np.int64)
     branch = np.repeat(np.arange(counts.size), counts)
     first = np.cumsum(counts) - counts
     new = (np.arange(branch.size) - first[branch] + 1) // block * block
+    if drafts is not None:
+        new[np.asarray(drafts, bool)[branch]] = 0
     return branch, new - counts[branch]
 
 

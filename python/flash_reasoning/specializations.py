@@ -109,10 +109,10 @@ TREE_PARTIAL = Family(
 TREE_FINAL = Family(
     name="tree_final",
     params=_TREE_PAGED + (("order", "*i32"), ("final_start", "*i32"), ("merge_ptr", "*i32"),
-                          ("common", "*i32"), ("partial_out", "*fp32"),
+                          ("common", "*i32"), ("draft_masks", "*i64"), ("partial_out", "*fp32"),
                           ("partial_lse", "*fp32"), ("out", "*{dt}")) + _TREE_SCALARS
     + (("num_rows", "i32"), ("lanes", "i32"), ("heads_first", "i32")),
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED", "COMMON", "PAGE", "PDL"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "PACKED", "COMMON", "DRAFT", "PAGE", "PDL"),
     waits_for_previous=True,
 )
 

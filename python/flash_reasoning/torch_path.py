@@ -52,8 +52,12 @@ def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: 
     starts = arrays.final_range_starts()  # a packed program's shared range included
     for b in range(q.shape[0]):
         final_start = int(seq_lens[b]) if arrays.separate_merge else int(starts[b])
+        draft = None
+        if arrays.draft_masks.size:  # its last tokens a draft, read as its bits allow
+            tokens, allowed = (int(x) for x in arrays.draft_masks[b])
+            draft = (int(seq_lens[b]) - tokens, allowed)
         own_out, own_lse = _attend(q[b:b + 1], k_pool, v_pool, block_tables[b], final_start,
-                                   int(seq_lens[b]), sm_scale)
+                                   int(seq_lens[b]), sm_scale, draft)
         merged = slice(arrays.merge_ptr[b], arrays.merge_ptr[b + 1])
         lse = torch.cat([own_lse, partial_lse[merged]])                    # [parts, heads]
         weight = torch.softmax(lse, dim=0)
@@ -61,15 +65,21 @@ def tree_attention(arrays, q, k_pool, v_pool, block_tables, seq_lens, sm_scale: 
         out[b] = (weight[..., None] * torch.cat([own_out, partial_out[merged]])).sum(0)
 
 
-def _attend(q, k_pool, v_pool, table, start: int, end: int, sm_scale: float):
+def _attend(q, k_pool, v_pool, table, start: int, end: int, sm_scale: float, draft=None):
     """(normalised output, natural-log LSE) of ``q`` ``[rows, heads, dim]`` over tokens
-    [start, end) of one paged sequence, in float32; an empty range gives (0, -inf)."""
+    [start, end) of one paged sequence, in float32; an empty range gives (0, -inf).
+    ``draft`` (draft start, allowed bits): the tokens from draft start on are read only where
+    their bit (token ``draft start + k``: bit k) is set."""
     rows, num_qo_heads, head_dim = q.shape
     page_size, num_kv_heads = k_pool.shape[1], k_pool.shape[2]
-    if end <= start:
+    pos = torch.arange(start, max(start, end))
+    if draft is not None:
+        draft_start, allowed = draft
+        k = pos - draft_start
+        pos = pos[(k < 0) | (torch.tensor(allowed) >> k.clamp(0, 63) & 1).bool()]
+    if not pos.numel():
         return (torch.zeros(rows, num_qo_heads, head_dim),
                 torch.full((rows, num_qo_heads), float("-inf")))
-    pos = torch.arange(start, end)
     slots = table.long()[pos // page_size] * page_size + pos % page_size
     keys = k_pool.reshape(-1, num_kv_heads, head_dim)[slots].float()      # [L, kvh, d]
     values = v_pool.reshape(-1, num_kv_heads, head_dim)[slots].float()

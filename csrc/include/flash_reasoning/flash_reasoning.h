@@ -94,6 +94,15 @@ typedef struct frTree {
   int32_t table_stride;
 } frTree;
 
+/* Speculative-tree verification: a row's last `tokens` tokens (0 to FR_MAX_DRAFT_TOKENS) are a
+ * draft, of which the row attends those whose bit is set in `allowed` (bit k: the k-th of
+ * them), and every token before them. A causal row is {0, 0}. */
+#define FR_MAX_DRAFT_TOKENS 64
+typedef struct frDraftMask {
+  int64_t tokens;
+  uint64_t allowed;
+} frDraftMask;
+
 /* What a plan decided (for logs and tests). The tree's fields (nodes, computed nodes, unique
  * tokens) describe it at creation; logical_tokens follows frPlanUpdate's lengths. */
 typedef struct frPlanInfo {
@@ -138,6 +147,12 @@ frStatus frContextArch(frContext context, const char** arch);
  * grow by that many blocks through frPlanUpdate. Copies the tables to the device (synchronous). */
 frStatus frPlanCreate(frContext context, const frAttentionShape* shape, const frTree* tree, int32_t extra_blocks,
                       frPlan* out);
+/* frPlanCreate with a draft mask per branch (masks[num_branches]): branch i's last
+ * masks[i].tokens tokens are read as masks[i] allows (a draft tree's rows: one row per draft
+ * token, its allowed bits its ancestors and itself). Through frPlanUpdate the masked tokens stay
+ * each branch's last. NULL masks: frPlanCreate. */
+frStatus frPlanCreateWithDraftMasks(frContext context, const frAttentionShape* shape, const frTree* tree,
+                                    const frDraftMask* masks, int32_t extra_blocks, frPlan* out);
 frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info);
 /* The manifest name of the kernel that launch `launch` (0 <= launch < num_launches) of
  * frPlanRun runs: the partial launches, then the final or merge kernel (for logs and tests:

@@ -126,3 +126,34 @@ def check_q_lens(q_lens, lengths) -> np.ndarray:
                          f"before the call")
     counts.flags.writeable = False
     return counts
+
+
+def check_masks(mask, q_lens: np.ndarray, max_tokens: int) -> dict[int, np.ndarray]:
+    """Draft masks: one entry per branch, ``None`` (causal) or a bool ``[q_lens[i],
+    q_lens[i]]`` tensor or array (True: query ``j`` may attend new token ``k``) of at most
+    ``max_tokens`` queries -> {branch index: bool array} of the masked branches."""
+    if isinstance(mask, (str, bytes, torch.Tensor, np.ndarray)) or not hasattr(mask, "__len__"):
+        raise TypeError(f"mask must be a sequence with one entry per branch (None or a bool "
+                        f"[q_lens[i], q_lens[i]] tensor), got {type(mask).__name__}")
+    if len(mask) != q_lens.size:
+        raise ValueError(f"mask must hold one entry per branch ({q_lens.size}), got {len(mask)}")
+    masks = {}
+    for i, m in enumerate(mask):
+        if m is None:
+            continue
+        if isinstance(m, torch.Tensor):
+            m = m.detach().cpu().numpy()
+        if not isinstance(m, np.ndarray) or m.dtype != np.bool_:
+            raise TypeError(f"mask[{i}] must be a bool tensor or array, got "
+                            f"{getattr(m, 'dtype', type(m).__name__)}")
+        m = m.copy()  # the caller's may change; a plan keeps its own
+        m.flags.writeable = False
+        n = int(q_lens[i])
+        if m.shape != (n, n):
+            raise ValueError(f"mask[{i}] must be [q_lens[{i}], q_lens[{i}]] = [{n}, {n}], got "
+                             f"{list(m.shape)}")
+        if n > max_tokens:
+            raise ValueError(f"mask[{i}] covers {n} queries; draft masks cover at most "
+                             f"{max_tokens} (one 64-bit word per query)")
+        masks[i] = m
+    return masks

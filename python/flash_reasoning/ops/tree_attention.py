@@ -22,7 +22,15 @@ from .. import _core, log, planner, runtime, torch_path
 from ..allocator import PhysicalKVAllocator
 from ..runtime import POINTER_ALIGN, Launch
 from ..segment_tree import own_ids, query_rows
-from .checks import as_int, check_compiled, check_layer, check_q_lens, check_scale, check_tensor
+from .checks import (
+    as_int,
+    check_compiled,
+    check_layer,
+    check_masks,
+    check_q_lens,
+    check_scale,
+    check_tensor,
+)
 
 #: Block-table columns a plan holds beyond the longest branch, so branches can grow by
 #: this many blocks before the plan must be rebuilt.
@@ -35,6 +43,10 @@ TABLE_HEADROOM_BLOCKS = 64
 #: chain the planner folded into every row: each query read all the new tokens before it.
 QUERY_BLOCK = 64
 
+#: The most queries a branch's draft mask covers: the kernels hold each query's allowed new
+#: tokens in one 64-bit word (``csrc/ops/tree_attention_plan.h``'s DraftMask).
+MAX_DRAFT_TOKENS = _core.MAX_DRAFT_TOKENS
+
 
 class StalePlan(RuntimeError):
     """The allocator's tree changed since the plan was built (a branch was forked, freed,
@@ -46,7 +58,11 @@ class TreeAttentionPlan:
     ``num_qo_heads`` heads (a multiple of the allocator's KV heads): one query per branch, or
     with ``q_lens`` ``q_lens[i]`` queries for branch ``i``, its last ``q_lens[i]`` tokens
     (an extend step, or a chain of draft tokens to verify), each attending causally: query
-    ``j`` to the branch's tokens below ``length - q_lens[i] + j + 1``.
+    ``j`` to the branch's tokens below ``length - q_lens[i] + j + 1``, or with ``mask[i]`` (a
+    draft tree to verify: bool ``[q_lens[i], q_lens[i]]``, True where query ``j`` may attend
+    new token ``k``; at most :data:`MAX_DRAFT_TOKENS` queries) to the tokens before the new
+    ones and the new tokens its row allows. ``mask`` holds one entry per branch, ``None`` for
+    a causal one (the plan keeps a copy: :attr:`mask`).
 
     Valid while the allocator's :attr:`~PhysicalKVAllocator.tree_version` is unchanged:
     ``reserve``/``append`` steps keep it (``run`` picks up the new lengths and tables), any
@@ -59,12 +75,14 @@ class TreeAttentionPlan:
     Several queries per branch are planned as one row each (``segment_tree.query_rows``), in
     blocks of :data:`QUERY_BLOCK` queries: a branch's context is read once for all its queries
     and all the branches sharing it, as for decode rows, each block's new tokens once for the
-    later blocks, and each query reads its own block's new tokens itself.
+    later blocks, and each query reads its own block's new tokens itself. A masked branch's
+    queries are planned at its context and each reads the new tokens up to the last its mask
+    allows in its final program, where the mask applies.
     """
 
     def __init__(self, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                  num_qo_heads: int, sm_scale: float | None = None,
-                 q_lens: Sequence[int] | None = None, *,
+                 q_lens: Sequence[int] | None = None, mask: Sequence | None = None, *,
                  _options: planner.PlanOptions | None = None) -> None:
         if not isinstance(allocator, PhysicalKVAllocator):
             raise TypeError(f"allocator must be a PhysicalKVAllocator, got "
@@ -83,8 +101,10 @@ class TreeAttentionPlan:
         with allocator._lock:  # the tree and the tables of one moment, with their versions
             self.q_lens = None if q_lens is None else \
                 check_q_lens(q_lens, allocator.lengths(branch_ids))
+            masks = _check_mask(mask, self.q_lens)
+            masked = None if masks is None else _masked(masks, self.q_lens)
             tree = allocator.segment_tree(branch_ids, self.q_lens,  # ids: alive, distinct
-                                          options.query_block or QUERY_BLOCK)
+                                          options.query_block or QUERY_BLOCK, masked)
             # A query row may be planned shorter than its branch; the tables cover the branch.
             longest = tree.lengths if q_lens is None else allocator.lengths(branch_ids)
             tables = _dense_tables(allocator, tree, int(longest.max(initial=0)))
@@ -101,10 +121,15 @@ class TreeAttentionPlan:
         # its branch, whose columns the plan must hold too.
         planned = -(-int(tree.lengths.max(initial=0)) // allocator.block_size)
         headroom = TABLE_HEADROOM_BLOCKS + max(0, tables.shape[1] - planned)
+        #: The masks (one per branch, None: causal; read-only copies), or None.
+        self.mask = None if masks is None else [masks.get(i) for i in range(len(self.q_lens))]
+        #: Each row's draft mask (int64 [num_rows, 2]: draft tokens, allowed bits), or None.
+        self.draft_masks = None if masks is None else draft_masks(masks, self.q_lens)
         self._core = _core.TreePlan(self._context, self._shape(), tree, tables, headroom,
-                                    options.core(), self.num_sms)
+                                    options.core(), self.num_sms, self.draft_masks)
         self._make_workspace(device)
-        self._query_rows = None if q_lens is None else _device_query_rows(self.q_lens, device)
+        self._query_rows = None if q_lens is None else \
+            _device_query_rows(self.q_lens, masked, self.draft_masks, device)
         if q_lens is not None:
             self.refresh()
         if log.enabled():
@@ -271,12 +296,51 @@ def _context_for(device: torch.device, options: planner.PlanOptions):
     return runtime.host_context(options.arch, options.num_sms or _core.HOST_ONLY_SMS)
 
 
-def _device_query_rows(q_lens: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``segment_tree.query_rows`` on the plan's device: what ``refresh`` gathers each query
-    row's table and length with (no host round trip)."""
-    branch, offset = query_rows(q_lens)
+def _device_query_rows(q_lens: np.ndarray, masked: np.ndarray | None,
+                       drafts: np.ndarray | None, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``segment_tree.query_rows`` on the plan's device, each row's draft tokens included
+    (a masked branch's row ends at the last new token its mask allows): what ``refresh``
+    gathers each query row's table and length with (no host round trip)."""
+    branch, offset = query_rows(q_lens, 1, masked)
+    if drafts is not None:
+        offset = offset + drafts[:, 0]
     return (torch.from_numpy(branch).to(device),
             torch.from_numpy(offset.astype(np.int32)).to(device))
+
+
+def _check_mask(mask, q_lens: np.ndarray | None) -> dict[int, np.ndarray] | None:
+    """The masked branches' draft masks (``checks.check_masks``), None without a mask."""
+    if mask is None:
+        return None
+    if q_lens is None:
+        raise ValueError("mask needs q_lens: it masks each branch's q_lens[i] new tokens")
+    return check_masks(mask, q_lens, MAX_DRAFT_TOKENS) or None  # every branch causal: none
+
+
+def _masked(masks: dict[int, np.ndarray], q_lens: np.ndarray) -> np.ndarray:
+    """Which branches have a draft mask (bool per branch)."""
+    masked = np.zeros(q_lens.size, bool)
+    masked[list(masks)] = True
+    return masked
+
+
+def draft_masks(masks: dict[int, np.ndarray], q_lens: np.ndarray) -> np.ndarray:
+    """Each query row's draft mask for the C++ plan, int64 ``[sum(q_lens), 2]``: row ``j`` of
+    a masked branch holds its new tokens up to the last its mask row allows as draft tokens
+    (a draft tree's query reads no token after itself, as a causal one) and that row's bits
+    (bit k: new token k); a causal branch's rows none (0, 0)."""
+    rows = np.zeros((int(q_lens.sum()), 2), np.int64)
+    first = np.cumsum(q_lens) - q_lens
+    for i, m in masks.items():
+        n = int(q_lens[i])
+        if not n:
+            continue
+        padded = np.zeros((n, 64), bool)
+        padded[:, :n] = m
+        bits = np.packbits(padded, axis=1, bitorder="little").view(np.uint64)[:, 0]
+        tokens = np.where(m.any(axis=1), n - np.argmax(m[:, ::-1], axis=1), 0)
+        rows[first[i]:first[i] + n] = np.stack([tokens, bits.view(np.int64)], axis=1)
+    return rows
 
 
 def _dense_tables(allocator: PhysicalKVAllocator, tree, longest: int) -> np.ndarray:
@@ -294,7 +358,8 @@ _plans: weakref.WeakKeyDictionary[PhysicalKVAllocator, tuple] = weakref.WeakKeyD
 def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: Sequence[int],
                    layer: int = 0, out: torch.Tensor | None = None,
                    sm_scale: float | None = None,
-                   q_lens: Sequence[int] | None = None) -> torch.Tensor:
+                   q_lens: Sequence[int] | None = None,
+                   mask: Sequence | None = None) -> torch.Tensor:
     """Decode attention of one query token per branch over its whole path in ``allocator``:
     ``q`` is ``[len(branch_ids), num_qo_heads, head_dim]``; returns the same shape in q's
     dtype. Shared tokens are read once for all the branches below them.
@@ -303,7 +368,10 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     ``q`` is ``[sum(q_lens), num_qo_heads, head_dim]``, rows grouped by branch in
     ``branch_ids`` order; branch ``i``'s last ``q_lens[i]`` tokens (written before the call)
     are its queries' and its query ``j`` attends causally, to the branch's tokens below
-    ``length_i - q_lens[i] + j + 1``.
+    ``length_i - q_lens[i] + j + 1``. ``mask`` (with ``q_lens``; one entry per branch,
+    ``None`` or a bool ``[q_lens[i], q_lens[i]]``: a draft tree to verify): query ``j`` of a
+    masked branch attends to the tokens before its new ones and to new token ``k`` where
+    ``mask[i][j, k]`` (:class:`TreeAttentionPlan`).
 
     Keeps the last plan per allocator (never keeping the allocator alive) and reuses it while
     the branches, their tree and the head count are unchanged (the layers of one step, and
@@ -318,13 +386,13 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     ids = np.asarray(branch_ids)
     cached = _plans.get(allocator) if isinstance(allocator, PhysicalKVAllocator) else None
     if cached is not None and cached[0] == (q.shape[1], sm_scale) and _same_ids(cached[1], ids) \
-            and _same_q_lens(cached[1], q_lens) \
+            and _same_q_lens(cached[1], q_lens) and _same_mask(cached[1], mask) \
             and cached[1].tree_version == allocator.tree_version:
         try:
             return cached[1].run(q, layer, out)
         except StalePlan:  # the branches outgrew its tables: plan again
             pass
-    plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale, q_lens)
+    plan = TreeAttentionPlan(allocator, ids, q.shape[1], sm_scale, q_lens, mask)
     out = plan.run(q, layer, out)
     _plans[allocator] = ((q.shape[1], sm_scale), plan._weakly_held())  # only a plan that ran
     return out
@@ -343,6 +411,19 @@ def _same_q_lens(plan: TreeAttentionPlan, q_lens) -> bool:
     counts = np.asarray(q_lens.cpu() if isinstance(q_lens, torch.Tensor) else q_lens)
     return counts.dtype.kind in "iu" and counts.shape == plan.q_lens.shape and \
         bool((counts == plan.q_lens).all())
+
+
+def _same_mask(plan: TreeAttentionPlan, mask) -> bool:
+    """Whether ``mask`` gives the plan's draft masks (none, or the same bits)."""
+    if mask is None or plan.q_lens is None:
+        return mask is None and plan.draft_masks is None
+    try:
+        masks = check_masks(mask, plan.q_lens, MAX_DRAFT_TOKENS)
+    except (TypeError, ValueError):
+        return False  # planning again raises, saying what is wrong
+    if not masks or plan.draft_masks is None:
+        return not masks and plan.draft_masks is None
+    return np.array_equal(draft_masks(masks, plan.q_lens), plan.draft_masks)
 
 
 def _check_heads(num_qo_heads, num_kv_heads: int) -> int:

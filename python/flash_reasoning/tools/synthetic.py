@@ -99,3 +99,15 @@ def long_narrow_node(device) -> tuple:
     for leaf in leaves:
         alloc.write(leaf, 0, *random_kv(alloc, gen, 16), start=alloc.length(leaf))
     return alloc, leaves
+
+
+def draft_tree_mask(num_tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """A random draft tree's mask, bool ``[num_tokens, num_tokens]``: token ``j``'s parent is
+    an earlier token (or the context, for the roots), and row ``j`` allows its ancestors and
+    itself, as speculative-tree verification reads a draft."""
+    mask = torch.eye(num_tokens, dtype=torch.bool)
+    for j in range(1, num_tokens):
+        parent = int(torch.randint(-1, j, (), generator=gen))  # -1: a root under the context
+        if parent >= 0:
+            mask[j] |= mask[parent]
+    return mask
