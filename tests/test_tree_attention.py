@@ -714,8 +714,8 @@ def test_query_blocks_are_planned_as_shared_nodes():
        masked=st.booleans(), seed=st.integers(0, 2**16))
 def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, lanes, block,
                                         masked, seed):
-    """Causal queries, or draft masks (read in one-row final programs whatever the options
-    ask), under the planner's choices."""
+    """Causal queries, or draft masks (read in final programs whatever the options ask),
+    under the planner's choices."""
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, branches=branches, depth=depth,
                         tokens=tokens, seed=seed, block_size=4, roots=1 + seed % 3)
     q_lens = random_q_lens(alloc, ids, seed)
@@ -726,8 +726,7 @@ def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, l
                              _options=PlanOptions(separate_merge=merge, final_lanes=lanes,
                                                   query_block=block))
     if plan.draft_masks is not None:
-        assert plan.arrays.final_lanes == 1 and not plan.arrays.separate_merge \
-            and not plan.arrays.as_paged_decode
+        assert not plan.arrays.separate_merge and not plan.arrays.as_paged_decode
     check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
 
 
@@ -814,17 +813,33 @@ def test_draft_reference_is_masked_attention():
 
 @interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [(2, 2), (8, 2), (16, 1)])
+@pytest.mark.parametrize("heads, lanes", [((2, 2), 1), ((8, 2), 2), ((16, 1), None),
+                                          ((2, 2), 8)])  # 8 lanes of group 1: the wide tile
 @pytest.mark.parametrize("separate", [False, True])
-def test_draft_masks_interpreted(dtype, heads, separate):
+def test_draft_masks_interpreted(dtype, heads, lanes, separate):
     alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=120, seed=heads[0],
                         branches=8)
     q_lens = random_q_lens(alloc, ids, heads[0], most=40)
     mask = random_masks(q_lens, heads[0])
     q = queries(alloc, ids, heads[0], rows=sum(q_lens))
     plan, out = interpret(alloc, ids, q, q_lens=q_lens, mask=mask, target_chunk=16,
-                          separate_merge=separate)  # drafts merge in the final kernel anyway
-    assert plan.arrays.num_entries > 0 and plan.kernels[-1].startswith("tree_final_") \
+                          separate_merge=separate,  # drafts merge in the final kernel anyway
+                          final_lanes=lanes)
+    assert plan.arrays.num_entries > 0 and "_draft1_" in plan.kernels[-1]
+    assert plan.arrays.final_lanes == (lanes or plan.arrays.final_lanes)
+    check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+
+
+@interpreter
+def test_draft_masks_with_shared_ranges_interpreted():
+    """Packed programs whose lanes share a folded range (sibling leaves in a flat plan), each
+    lane a masked branch's query."""
+    alloc, ids = forest("cpu", num_kv_heads=2, tokens=60, seed=5, branches=6)
+    q_lens = [min(6, n) for n in alloc.lengths(ids).tolist()]
+    mask = random_masks(q_lens, 5)
+    q = queries(alloc, ids, 4, rows=sum(q_lens))
+    plan, out = interpret(alloc, ids, q, q_lens=q_lens, mask=mask, flat=True, final_lanes=4)
+    assert plan.arrays.has_common and "_common1_" in plan.kernels[-1] \
         and "_draft1_" in plan.kernels[-1]
     check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
 

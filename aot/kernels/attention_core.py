@@ -216,20 +216,25 @@ def tile_scores(qt, k, n_ok, sm_scale_log2, MASKED: tl.constexpr):
 @triton.jit
 def attend_lanes(m_i, l_i, acc, qt, row_lane, k_pool, v_pool, tables, start, end,
                  tokens_per_lane, kv_head, num_kv_heads, page_size, sm_scale_log2,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, draft_start=0, draft_allowed=0,
+                 DRAFT: tl.constexpr = False):
     """``attend`` for a tile whose rows belong to several sequences (*lanes*), continuing the
     online-softmax state (m_i, l_i, acc) (:func:`no_keys` to start afresh): row ``r`` is lane
     ``row_lane[r]``'s. Token ``t`` of each KV tile is lane ``t // tokens_per_lane``'s;
     ``tables``, ``start`` and ``end`` are per token: its lane's block table row and range (an
     empty range for a lane without a sequence). Each step loads ``tokens_per_lane`` tokens of
     every lane's range, a row sees its own lane's keys only, and the loop runs until the
-    longest range ends; a row that has seen no key stays (-inf, 0, 0)."""
+    longest range ends; a row that has seen no key stays (-inf, 0, 0). With ``DRAFT`` each
+    token's lane's draft (``draft_start``, ``draft_allowed``, per token) is read as
+    :func:`draft_allows` allows."""
     t = tl.arange(0, BLOCK_N)
     own_lane = row_lane[:, None] == (t // tokens_per_lane)[None, :]
     n = start + t % tokens_per_lane
     page = tl.load(tables + n // page_size, mask=n < end, other=0)  # one step ahead, as attend
     for _ in tl.range(0, tl.cdiv(tl.max(end - start, 0), tokens_per_lane)):
         n_ok = n < end
+        if DRAFT:
+            n_ok = n_ok & draft_allows(n, draft_start, draft_allowed)
         kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
         k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
         n += tokens_per_lane

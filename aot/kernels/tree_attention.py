@@ -29,9 +29,9 @@ into their final ranges, not computed: ``planner.PlanArrays.common``), so the pr
 walks it once as a dense tile of all its rows, through its lead lane's table, then each
 lane's own rest side by side; the lanes' final ranges begin where it ends.
 
-``DRAFT`` (one branch per program): each row's last ``draft_masks[row, 0]`` tokens are a draft
-it reads where its bits ``draft_masks[row, 1]`` allow (``attention_core.draft_allows``); a plan
-with draft masks reads every draft token here, in its rows' final ranges.
+``DRAFT``: each row's last ``draft_masks[row, 0]`` tokens are a draft it reads where its bits
+``draft_masks[row, 1]`` allow (``attention_core.draft_allows``), a packed program each lane's;
+a plan with draft masks reads every draft token here, in its rows' final ranges.
 
 ``PDL`` (sm90, ``dispatch.grid_dependency``): the partial launch lets the final (or merge)
 launch start once its programs are past their walks (or, with the plan's ``early_final``, once
@@ -185,21 +185,18 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
         else:
             m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
         start, end = final_range(tok_seq, tok_ok, seq_lens, final_start, page_size, max_blocks)
+        draft_start, draft_allowed = draft_window(draft_masks, tok_seq, tok_ok, end, DRAFT)
         m_i, l_i, acc = attend_lanes(m_i, l_i, acc, qt, lane, k_pool, v_pool,
                                      block_tables + tok_seq.to(tl.int64) * max_blocks, start, end,
                                      tokens_per_lane, kv_head, num_kv_heads, page_size,
-                                     sm_scale_log2, HEAD_DIM, BLOCK_N)
+                                     sm_scale_log2, HEAD_DIM, BLOCK_N, draft_start, draft_allowed,
+                                     DRAFT)
         lo = tl.load(merge_ptr + seq, mask=row_ok, other=0)
         count = tl.load(merge_ptr + seq + 1, mask=row_ok, other=0) - lo
         steps = tl.max(count, 0)
     else:
         start, end = final_range(seq, True, seq_lens, final_start, page_size, max_blocks)
-        draft_start = 0
-        draft_allowed = 0
-        if DRAFT:  # the row's draft mask: its last tokens, read as its bits allow
-            mask = draft_masks + seq.to(tl.int64) * 2
-            draft_start = end - tl.load(mask).to(tl.int32)
-            draft_allowed = tl.load(mask + 1)
+        draft_start, draft_allowed = draft_window(draft_masks, seq, True, end, DRAFT)
         m_i, l_i, acc = attend(qt, k_pool, v_pool, block_tables + seq.to(tl.int64) * max_blocks,
                                max_blocks * page_size, kv_head, num_kv_heads, page_size, start,
                                end, sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, draft_start,
@@ -240,6 +237,19 @@ def final_range(seq, ok, seq_lens, final_start, page_size, max_blocks):
     start = tl.load(final_start + seq, mask=ok, other=0)
     end = tl.minimum(tl.load(seq_lens + seq, mask=ok, other=0), max_blocks * page_size)
     return start, tl.maximum(end, start)
+
+
+@triton.jit
+def draft_window(draft_masks, seq, ok, end, DRAFT: tl.constexpr):
+    """Row ``seq``'s draft mask as (first draft token, allowed bits): its last
+    ``draft_masks[seq, 0]`` tokens before ``end``; none without ``DRAFT`` (unused)."""
+    draft_start = end
+    draft_allowed = tl.zeros_like(end).to(tl.int64)
+    if DRAFT:
+        mask = draft_masks + seq.to(tl.int64) * 2
+        draft_start = end - tl.load(mask, mask=ok, other=0).to(tl.int32)
+        draft_allowed = tl.load(mask + 1, mask=ok, other=0)
+    return draft_start, draft_allowed
 
 
 @triton.jit

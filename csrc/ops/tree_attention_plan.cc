@@ -74,12 +74,12 @@ Status check_drafts(const DraftMask* drafts, int64_t rows, const int32_t* length
   return Status::Ok();
 }
 
-// A plan with draft masks reads every draft token in the one-row final kernel, the only one that
-// applies them: each row in its own final program, never merged separately (which would read
-// the draft tokens in open partial items), never a paged decode.
+// A plan with draft masks reads every draft token in the final kernel, the only one that applies
+// them: never merged separately (which would read the draft tokens in open partial items), never
+// a paged decode.
 PlanOptions draft_options(PlanOptions options) {
   options.separate_merge = 0;
-  options.final_lanes = 1;
+  options.final_kernel = true;
   return options;
 }
 
@@ -303,11 +303,13 @@ Status TreeAttentionPlan::add_last_launch() {
   } else {
     // A packed program (several lanes) walks its lanes' ranges side by side: its own rule list,
     // one per final tile, and one for programs that read their lanes' shared range first.
-    std::string kernel = drafts_.empty() ? "tree_final/" : "tree_final_draft/";
-    if (lanes > 1) {  // never with drafts (draft_options)
+    // Draft masks: the same kernels with the masks applied, each kind its own rule list.
+    std::string kernel = "tree_final";
+    if (lanes > 1) {
       bool wide = plan_shape_.final_block_m(lanes) > plan_shape_.block_ms[0];
-      kernel = std::string(plan_.has_common() ? "tree_final_common" : "tree_final_packed") + (wide ? "_wide/" : "/");
+      kernel = std::string(plan_.has_common() ? "tree_final_common" : "tree_final_packed") + (wide ? "_wide" : "");
     }
+    kernel += drafts_.empty() ? "/" : "_draft/";
     int64_t grid[3];
     ordered_grid(ceil_div(n, lanes), tiles, plan_.final_heads_first, grid);
     st = pick_launch(*ctx_, plan_shape_.num_sms,

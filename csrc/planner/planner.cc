@@ -590,7 +590,8 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   p.order.assign(tree.order.begin(), tree.order.end());
   merge_slots(tree, &p);
   make_items(p, chunk_block_m, shape, &p.items);
-  p.as_paged_decode = runs_as_paged_decode(p.separate_merge, p.num_entries, options.final_lanes != 0);
+  p.as_paged_decode =
+      runs_as_paged_decode(p.separate_merge, p.num_entries, options.final_lanes != 0 || options.final_kernel);
   if (!p.separate_merge && !p.as_paged_decode)
     p.final_lanes = options.final_lanes ? options.final_lanes : planned_lanes(p, tree, shape, r.num_computed);
   shared_final_prefixes(tree, &p);

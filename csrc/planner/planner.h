@@ -202,6 +202,8 @@ struct PlanOptions {
   int early_final = -1;     // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
   int host_nodes = -1;      // -1 or 1: hosted nodes read in their host's tiles; 0: each its own (tests)
   int slot_runs = -1;       // -1 or 1: slot-run kernels where the pages allow (item_runs); 0: never
+  // Never a paged decode: a plan with draft masks (only tree_final applies them).
+  bool final_kernel = false;
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.

@@ -66,28 +66,28 @@ FINAL_WIDE_BLOCK_M = 32
 #: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``),
 #: ``tree_final_packed_wide`` (as many as :data:`FINAL_WIDE_BLOCK_M` rows hold),
 #: ``tree_final_common`` and ``tree_final_common_wide`` (packed programs that first walk the
-#: range their lanes share, ``PlanArrays.common``), ``tree_final_draft`` (one branch per
-#: program, its draft tokens read as its draft mask allows) and ``tree_partial`` (a list per
+#: range their lanes share, ``PlanArrays.common``), each of these five as ``..._draft`` (its
+#: rows' draft tokens read as their draft masks allow) and ``tree_partial`` (a list per
 #: query-row tile). A rule list (``tuning_table.Rules``) gives a config by the launch's
 #: programs per SM and the most tokens one program walks; the manifest exports the same lists.
-RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None), ("tree_final", None),
-              ("tree_final_packed", None), ("tree_final_packed_wide", None),
-              ("tree_final_common", None), ("tree_final_common_wide", None),
-              ("tree_final_draft", None)) + \
+FINAL_KERNELS = ("tree_final", "tree_final_packed", "tree_final_packed_wide", "tree_final_common",
+                 "tree_final_common_wide")
+RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None)) + \
+    tuple((kernel, None) for kernel in FINAL_KERNELS) + \
+    tuple((f"{kernel}_draft", None) for kernel in FINAL_KERNELS) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 #: The kernel family and the specialization keys each rule list's kernel stands for.
+_FINAL_KEYS = {"tree_final": {"PACKED": 0},
+               "tree_final_packed": {"PACKED": 1, "COMMON": 0, "BLOCK_M": BLOCK_M},
+               "tree_final_packed_wide": {"PACKED": 1, "COMMON": 0, "BLOCK_M": FINAL_WIDE_BLOCK_M},
+               "tree_final_common": {"PACKED": 1, "COMMON": 1, "BLOCK_M": BLOCK_M},
+               "tree_final_common_wide": {"PACKED": 1, "COMMON": 1, "BLOCK_M": FINAL_WIDE_BLOCK_M}}
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                    "paged_decode_split": ("paged_decode", {"SPLIT": 1}),
-                   "tree_final": ("tree_final", {"PACKED": 0, "DRAFT": 0}),
-                   "tree_final_packed": ("tree_final", {"PACKED": 1, "COMMON": 0,
-                                                        "BLOCK_M": BLOCK_M}),
-                   "tree_final_packed_wide": ("tree_final", {"PACKED": 1, "COMMON": 0,
-                                                             "BLOCK_M": FINAL_WIDE_BLOCK_M}),
-                   "tree_final_common": ("tree_final", {"PACKED": 1, "COMMON": 1,
-                                                        "BLOCK_M": BLOCK_M}),
-                   "tree_final_common_wide": ("tree_final", {"PACKED": 1, "COMMON": 1,
-                                                             "BLOCK_M": FINAL_WIDE_BLOCK_M}),
-                   "tree_final_draft": ("tree_final", {"PACKED": 0, "DRAFT": 1}),
+                   **{kernel: ("tree_final", {**key, "DRAFT": 0})
+                      for kernel, key in _FINAL_KEYS.items()},
+                   **{f"{kernel}_draft": ("tree_final", {**key, "DRAFT": 1})
+                      for kernel, key in _FINAL_KEYS.items()},
                    "tree_partial": ("tree_partial", {})}
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
@@ -212,16 +212,16 @@ def rules(kernel: str, dtype: str, head_dim: int, arch: str,
           block_m: int | None = None, slot_runs: int = 0) -> tuple[Rules, str]:
     """The rule list serving ``kernel`` (its ``slot_runs`` kernels': runs of slots) and where
     it comes from: the arch's tuning table (shipped, or ``$FLASH_REASONING_TUNING``) when it
-    has the key, else the page kernels' list (slot-run kernels), or the one-branch final
-    kernel's (the draft kernel: the same walk, a mask more), else the heuristics."""
+    has the key, else the page kernels' list (slot-run kernels), or the final kernel's without
+    draft masks (a draft kernel: the same walk, a mask more), else the heuristics."""
     key = rule_key(kernel, dtype, head_dim, block_m, 0, slot_runs)
     table = tuning_table.load(arch)
     if table is not None and key in table.rules:
         return table.rules[key], table.source
     if slot_runs:
         return rules(kernel, dtype, head_dim, arch, block_m)
-    if kernel == "tree_final_draft":
-        return rules("tree_final", dtype, head_dim, arch)
+    if kernel.endswith("_draft"):
+        return rules(kernel.removesuffix("_draft"), dtype, head_dim, arch)
     return heuristic_rules(kernel, head_dim, arch, block_m), "heuristic"
 
 
@@ -385,8 +385,8 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
                     common: bool = False, draft: bool = False) -> Spec:
     """One branch's GQA group per program, like the decode kernel, or (``packed``) the groups
     of several branches, in the narrow tile or (``wide``) :data:`FINAL_WIDE_BLOCK_M` rows;
-    ``common``: packed programs that first walk the range their lanes share; ``draft``: one
-    branch per program, its draft tokens read as its draft mask allows."""
+    ``common``: packed programs that first walk the range their lanes share; ``draft``: the
+    rows' draft tokens read as their draft masks allow."""
     check_dtype(dtype)
     check_head_dim(head_dim)
     kernel = tree_final_kernel(packed, wide, common, draft)
@@ -407,27 +407,26 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, slot_runs)
     if kernel.startswith("tree_final"):
-        packed = kernel not in ("tree_final", "tree_final_draft")
-        return tree_final_spec(dtype, head_dim, arch, config, packed, page_size,
-                               kernel.endswith("_wide"), kernel.startswith("tree_final_common"),
-                               kernel == "tree_final_draft")
+        base = kernel.removesuffix("_draft")
+        return tree_final_spec(dtype, head_dim, arch, config, base != "tree_final", page_size,
+                               base.endswith("_wide"), base.startswith("tree_final_common"),
+                               base != kernel)
     return decode_spec(dtype, head_dim, kernel == "paged_decode_split", arch, config, page_size)
 
 
 def tree_final_kernel(packed: bool, wide: bool = False, common: bool = False,
                       draft: bool = False) -> str:
     """The rule list of a ``tree_final`` launch: packed programs (several branches each) have
-    their own, one per final tile, and so do packed programs with a shared range, and
-    one-branch programs that apply draft masks."""
+    their own, one per final tile, and so do packed programs with a shared range; each has a
+    twin that applies draft masks."""
     if (wide or common) and not packed:
         raise ValueError("the wide final tile and shared ranges are packed kernels': one "
                          "branch's group fits the narrow tile and has no lanes to share with")
-    if draft and packed:
-        raise ValueError("draft masks are read by one-branch final programs only")
-    if not packed:
-        return "tree_final_draft" if draft else "tree_final"
-    kernel = "tree_final_common" if common else "tree_final_packed"
-    return f"{kernel}_wide" if wide else kernel
+    kernel = "tree_final"
+    if packed:
+        kernel = "tree_final_common" if common else "tree_final_packed"
+        kernel = f"{kernel}_wide" if wide else kernel
+    return f"{kernel}_draft" if draft else kernel
 
 
 def rule_kernel(spec: Spec) -> str:
