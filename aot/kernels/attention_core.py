@@ -66,8 +66,8 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
     """Online softmax of the query tile ``qt`` over tokens [start, end) of one paged sequence
     (``table`` is its block table row, of ``table_tokens`` tokens' pages). Returns (row max in
     base 2, row sum, unnormalised output); an empty range gives (-inf, 0, 0). With ``DRAFT``
-    the tokens from ``draft_start`` are a draft, read where :func:`draft_allows` (a whole tile
-    may be masked: rows may stay empty).
+    the tokens from ``draft_start`` are a draft, read where :func:`draft_allows` says (a whole
+    tile may be masked: rows may stay empty).
 
     Each token's K/V row is addressed through its page id, a division and a remainder by
     ``page_size`` per token: the callers' ``PAGE`` constexpr makes it a constant where the page

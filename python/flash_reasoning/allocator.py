@@ -329,7 +329,7 @@ class PhysicalKVAllocator:
 
     @_locked
     def segment_tree(self, branch_ids: Sequence[int], q_lens=None,
-                     query_block: int = 1, drafts=None) -> SegmentTree:
+                     query_block: int = 1, masked=None) -> SegmentTree:
         """The tree of token ranges these live branches share (see :class:`SegmentTree`).
 
         Two branches share token ``t`` when their fork histories agree up to ``t`` (same
@@ -339,13 +339,13 @@ class PhysicalKVAllocator:
         per branch, each at most its length) the tree's rows are the queries'
         (``segment_tree.query_rows``, rounded to ``query_block``): branch ``i`` named
         ``q_lens[i]`` times, its row ``j`` holding the tokens its query ``j`` attends
-        causally, or, for the branches ``drafts`` names (bool per branch), the tokens before
-        its new ones."""
+        causally, or, for the branches ``masked`` names (bool per branch: draft masks), the
+        tokens before its new ones."""
         ids, rows = self._distinct_rows(branch_ids)
         lengths = self._lengths[rows]
         if q_lens is not None:
             branch, offset = query_rows(check_q_lens(q_lens, lengths),
-                                        as_int("query_block", query_block, low=1), drafts)
+                                        as_int("query_block", query_block, low=1), masked)
             ids, rows, lengths = ids[branch], rows[branch], lengths[branch] + offset
         # With every token written the blocks alone tell sharing (a shared block is never
         # written, copy-on-write), as the C ABI reads it; 10x faster than the keys. Unwritten

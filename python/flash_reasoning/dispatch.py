@@ -70,18 +70,16 @@ FINAL_WIDE_BLOCK_M = 32
 #: rows' draft tokens read as their draft masks allow) and ``tree_partial`` (a list per
 #: query-row tile). A rule list (``tuning_table.Rules``) gives a config by the launch's
 #: programs per SM and the most tokens one program walks; the manifest exports the same lists.
-FINAL_KERNELS = ("tree_final", "tree_final_packed", "tree_final_packed_wide", "tree_final_common",
-                 "tree_final_common_wide")
-RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None)) + \
-    tuple((kernel, None) for kernel in FINAL_KERNELS) + \
-    tuple((f"{kernel}_draft", None) for kernel in FINAL_KERNELS) + \
-    tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
-#: The kernel family and the specialization keys each rule list's kernel stands for.
 _FINAL_KEYS = {"tree_final": {"PACKED": 0},
                "tree_final_packed": {"PACKED": 1, "COMMON": 0, "BLOCK_M": BLOCK_M},
                "tree_final_packed_wide": {"PACKED": 1, "COMMON": 0, "BLOCK_M": FINAL_WIDE_BLOCK_M},
                "tree_final_common": {"PACKED": 1, "COMMON": 1, "BLOCK_M": BLOCK_M},
                "tree_final_common_wide": {"PACKED": 1, "COMMON": 1, "BLOCK_M": FINAL_WIDE_BLOCK_M}}
+RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None)) + \
+    tuple((kernel, None) for kernel in _FINAL_KEYS) + \
+    tuple((f"{kernel}_draft", None) for kernel in _FINAL_KEYS) + \
+    tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
+#: The kernel family and the specialization keys each rule list's kernel stands for.
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                    "paged_decode_split": ("paged_decode", {"SPLIT": 1}),
                    **{kernel: ("tree_final", {**key, "DRAFT": 0})

@@ -92,7 +92,7 @@ class SegmentTree:
 
 
 def query_rows(q_lens: np.ndarray, block: int = 1,
-               drafts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               masked: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rows of several query tokens per branch: branch ``i``'s ``q_lens[i]`` rows, in
     branch order, row ``j`` of them holding its first ``length_i - q_lens[i] + j + 1`` tokens
     (what its query ``j`` attends causally). Returns each row's branch index and the offset
@@ -102,7 +102,7 @@ def query_rows(q_lens: np.ndarray, block: int = 1,
     ``block`` > 1 rounds each row's new tokens down to a multiple of ``block``
     (``(j + 1) // block * block``): the rows a plan is built on, so that the queries of a block
     share the new tokens before it as a node; each row then grows to its causal length at run
-    time, into its plan's final range, as decode rows grow. ``drafts`` (bool per branch):
+    time, into its plan's final range, as decode rows grow. ``masked`` (bool per branch):
     branches whose queries verify a draft under a mask: their rows hold the tokens before the
     new ones (offset ``-q_lens[i]``), whatever the block; the new tokens are each row's draft
     tokens, read as its mask allows."""
@@ -110,8 +110,8 @@ def query_rows(q_lens: np.ndarray, block: int = 1,
     branch = np.repeat(np.arange(counts.size), counts)
     first = np.cumsum(counts) - counts
     new = (np.arange(branch.size) - first[branch] + 1) // block * block
-    if drafts is not None:
-        new[np.asarray(drafts, bool)[branch]] = 0
+    if masked is not None:
+        new[np.asarray(masked, bool)[branch]] = 0
     return branch, new - counts[branch]
 
 
