@@ -20,7 +20,8 @@ compared path against path (greedy: they should be identical; ``first_mismatch``
 they are not). JSON (``--json``) and a figure (``--figure``, with matplotlib).
 
 ``python benchmarks/generation.py [--models llama3-8b,qwen2.5-7b] [--prompts 2048,8192]
-[--n 1,8,64,256] [--new-tokens 128] [--fit-search] [--json out.json] [--figure out.png]``;
+[--n 1,8,64,256] [--new-tokens 128] [--fit-search | --fit-only] [--json out.json]
+[--figure out.png]``;
 ``--smoke`` runs a tiny model on CPU end to end (what the test runs).
 """
 from __future__ import annotations
@@ -79,24 +80,30 @@ def main(argv=None) -> int:
             prompt = torch.randint(0, shape["vocab_size"], (prompt_len,),
                                    generator=torch.Generator().manual_seed(prompt_len))
             prompt = prompt.to(device)
-            for n in args.n:
+            for n in [] if args.fit_only else args.n:
                 row = run_config(model, prompt, n, args.new_tokens)
                 row.update(model=name, prompt=prompt_len, n=n)
                 report["results"].append(row)
                 print(summary(row), flush=True)
+                save(report, args.json)
             if args.fit_search:
                 fits = {path: largest_n(model, prompt, args.new_tokens, path, args.n)
                         for path in PATHS}
                 report["largest_n"].append({"model": name, "prompt": prompt_len, **fits})
                 print(f"{name} prompt {prompt_len}: largest n {fits}", flush=True)
+                save(report, args.json)
         del model
         release(device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
     if args.figure:
         figure(report, args.figure)
     return 0
+
+
+def save(report: dict, path: str | None) -> None:
+    """The report so far (after every configuration: a run cut short keeps what it did)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def parse_args(argv):
@@ -112,6 +119,8 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fit-search", action="store_true",
                         help="find the largest n each path fits (doubling, then bisection)")
+    parser.add_argument("--fit-only", action="store_true",
+                        help="the fit search alone, no timed configurations")
     parser.add_argument("--json")
     parser.add_argument("--figure")
     parser.add_argument("--smoke", action="store_true",
@@ -121,6 +130,7 @@ def parse_args(argv):
         args.prompts, args.n, args.new_tokens = [24], [1, 3], 6
         args.dtype, args.init_std, args.fit_search = torch.float32, 0.4, False
         torch.set_num_threads(1)  # tiny matmuls: more threads only contend
+    args.fit_search = args.fit_search or args.fit_only
     return args
 
 
@@ -243,8 +253,9 @@ def transformers_attention_profile(model, rows, device) -> dict:
 
 
 def attention_profile(step, tokens, names, device) -> dict:
-    """Kernel time per step in attention (kernels whose name holds one of ``names``) and in
-    all, over :data:`PROFILED_STEPS` eager steps; the busiest kernels, to check the names."""
+    """GPU time per step in attention (kernels whose name holds one of ``names``) and in any
+    kernel (overlapping kernels counted once: :func:`covered_us`), over
+    :data:`PROFILED_STEPS` eager steps; the busiest kernels, to check the names."""
     if device.type != "cuda":
         return {"attention_ms_per_step": None, "kernel_ms_per_step": None,
                 "attention_share_of_kernels": None}
@@ -257,9 +268,9 @@ def attention_profile(step, tokens, names, device) -> dict:
                 tokens = step(tokens)
         sync(device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time_total for e in kernels) / 1e3 / PROFILED_STEPS
-    attention = sum(e.device_time_total for e in kernels
-                    if any(name in e.name.lower() for name in names)) / 1e3 / PROFILED_STEPS
+    total = covered_us(kernels) / 1e3 / PROFILED_STEPS
+    attention = covered_us([e for e in kernels if any(name in e.name.lower() for name in names)]
+                           ) / 1e3 / PROFILED_STEPS
     busiest = {}
     for e in kernels:
         busiest[e.name] = busiest.get(e.name, 0.0) + e.device_time_total / 1e3 / PROFILED_STEPS
@@ -267,6 +278,16 @@ def attention_profile(step, tokens, names, device) -> dict:
     return {"attention_ms_per_step": attention, "kernel_ms_per_step": total,
             "attention_share_of_kernels": attention / total if total else None,
             "top_kernels_ms_per_step": dict(top)}
+
+
+def covered_us(kernels) -> float:
+    """The GPU time during which at least one of ``kernels`` runs: kernels that overlap (a
+    plan's final launch starting beside its partial launch's tail) count once."""
+    covered, end = 0.0, -math.inf
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        covered += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return covered
 
 
 def step_stats(marks, n, device) -> dict:
@@ -299,17 +320,22 @@ def first_tokens(n: int, vocab: int) -> list[int]:
 
 # ---- the largest n that fits ---------------------------------------------------------------
 
-def largest_n(model, prompt, new_tokens, path, listed) -> int | None:
+def largest_n(model, prompt, new_tokens, path, listed) -> int:
     """The largest n whose run fits (our paths: the pool for every token, prefill, fork and
     two decode steps; transformers: the whole generate), by doubling from the largest
-    listed n that fits, then bisection."""
+    listed n that fits (halving from the smallest where none does), then bisection; 0 when
+    not even one continuation fits."""
     def fits(n):
         ok, _ = guarded(probe, model, prompt, n, new_tokens, path)
         return ok.get("ok", False)
 
-    good = max((n for n in listed if fits(n)), default=None)
+    good = next((n for n in sorted(listed, reverse=True) if fits(n)), None)
     if good is None:
-        return None
+        good = min(listed) // 2
+        while good and not fits(good):
+            good //= 2
+        if not good:
+            return 0
     bad = good * 2
     while fits(bad):
         good, bad = bad, bad * 2

@@ -33,3 +33,29 @@ def test_smoke_run_writes_json_and_figure(tmp_path):
     assert shared["tokens_physical"] < copied["tokens_physical"] == copied["tokens_logical"]
     if importlib.util.find_spec("matplotlib"):
         assert fig.stat().st_size > 0
+
+
+def test_covered_time_counts_overlapping_kernels_once():
+    bench = load_benchmark("generation")
+
+    class Kernel:  # a profiler event's time range, in us
+        def __init__(self, start, end):
+            self.time_range = type("Range", (), {"start": start, "end": end})
+
+    spans = [(10, 20), (0, 5), (15, 30), (16, 18), (40, 41)]  # 0-5, 10-30, 40-41
+    assert bench.covered_us([Kernel(*s) for s in spans]) == 26
+    assert bench.covered_us([]) == 0
+
+
+@pytest.mark.parametrize("limit", [0, 1, 5, 100, 300, 1000])
+def test_largest_n_finds_the_limit_from_any_listed_start(monkeypatch, limit):
+    bench = load_benchmark("generation")
+    probed = []
+
+    def fake_guarded(fn, model, prompt, n, new_tokens, path):
+        probed.append(n)
+        return {"ok": n <= limit}, None
+
+    monkeypatch.setattr(bench, "guarded", fake_guarded)
+    found = bench.largest_n(None, None, 8, "tree", [8, 64, 256])
+    assert found <= limit and (limit - found) <= max(1, found // 16), (found, probed)

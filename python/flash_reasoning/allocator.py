@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import kv_cache
+from . import kv_cache, runtime
 from .ops.checks import as_int, check_compiled, check_layer, check_q_lens
 from .segment_tree import SegmentTree, query_rows
 
@@ -896,9 +896,7 @@ class PhysicalKVAllocator:
                             self.device)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
-        # A pageable copy (H100 host: 12.7 us for 2 KB) beats staging through pinned memory
-        # for an asynchronous copy (21.7 us): torch's pin_memory costs more than it saves.
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        return runtime.upload(np.ascontiguousarray(array), self.device)
 
 
 def _token_counts(num_tokens: int | Sequence[int], branches: int) -> np.ndarray:

@@ -80,6 +80,21 @@ def require_cuda(device: torch.device | int | None = None) -> torch.device:
                         else torch.cuda.current_device())
 
 
+def upload(array, device: torch.device) -> torch.Tensor:
+    """``array`` (a host array) as a tensor on ``device``, without waiting for the device.
+
+    A plain ``.to(device)`` from pageable memory synchronises the stream: the host then waits
+    for every queued kernel before it plans the next step, and the GPU idles while it does
+    (a decode loop's host work lands between its steps). Asynchronous, the driver stages the
+    pageable bytes before the call returns, so the array may change or go at once."""
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+def upload_into(buffer: torch.Tensor, array) -> torch.Tensor:
+    """:func:`upload` into an existing ``buffer`` (a CUDA graph's fixed input)."""
+    return buffer.copy_(torch.from_numpy(array).view(buffer.shape), non_blocking=True)
+
+
 @functools.lru_cache(maxsize=None)
 def arch_of(device_index: int) -> str:
     """The compiled arch that serves this device (e.g. sm86 -> sm80)."""

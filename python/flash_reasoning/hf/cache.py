@@ -23,6 +23,7 @@ from ..allocator import PhysicalKVAllocator
 from ..ops.checks import as_int
 from ..ops.paged_decode import paged_decode
 from ..ops.tree_attention import TABLE_HEADROOM_BLOCKS, StalePlan, TreeAttentionPlan
+from ..runtime import upload
 from .support import ATTN_IMPLEMENTATION, check_model, head_dim_of
 
 #: The cache whose ``update`` ran last in this context, and for which layer: the attention
@@ -143,9 +144,8 @@ class TreeCache(Cache):
     def position_ids(self, new_tokens: int = 1) -> torch.Tensor:
         """``[rows, new_tokens]`` positions of the next forward's tokens: each row's length
         before the step on."""
-        starts = torch.as_tensor(self._next_starts(), dtype=torch.long)
-        positions = starts[:, None] + torch.arange(new_tokens)
-        return positions.to(self.allocator.device)
+        starts = np.asarray(self._next_starts(), np.int64)
+        return upload(starts[:, None] + np.arange(new_tokens), self.allocator.device)
 
     def regroup(self, sources: Sequence[int]) -> None:
         """New row ``i`` continues old row ``sources[i]``: the first row naming a source
@@ -330,7 +330,7 @@ class TreeCache(Cache):
         positions = np.arange(length)
         slots = tables[rows[0], positions // self.allocator.block_size] \
             * self.allocator.block_size + positions % self.allocator.block_size
-        index = torch.from_numpy(slots).to(self.allocator.device)
+        index = upload(slots, self.allocator.device)
         shape = (-1, self.num_kv_heads, self.head_dim)
         return (self.allocator.k_pools[layer].view(shape)[index],
                 self.allocator.v_pools[layer].view(shape)[index])

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from ..runtime import upload, upload_into
 from .cache import TreeCache
 from .support import check_enabled
 
@@ -67,8 +69,8 @@ class TreeDecoder:
         return graph.replay(tokens, self.cache.step_starts)
 
     def _positions(self, new_tokens: int) -> torch.Tensor:
-        starts = torch.from_numpy(self.cache.step_starts)
-        return (starts[:, None] + torch.arange(new_tokens)).to(self.device)
+        starts = self.cache.step_starts
+        return upload(starts[:, None] + np.arange(new_tokens), self.device)
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """The model's forward over the open step; a forward that raises leaves no token."""
@@ -114,7 +116,7 @@ class StepGraph:
         """The step for ``tokens`` at positions ``starts`` (the slots were copied into
         :attr:`slots` by ``begin_step``); returns a copy of the logits."""
         self.input_ids.copy_(tokens[:, None])
-        self.positions.copy_(torch.from_numpy(starts)[:, None])
+        upload_into(self.positions, starts)
         cache = self.decoder.cache
         if self.graph is None:  # CPU: the same buffers, the forward run again
             return self.decoder._forward(self.input_ids, self.positions).clone()

@@ -239,8 +239,8 @@ class TreeAttentionPlan:
         binds its launches to it."""
         core = self._core
         self.workspace = torch.empty(core.workspace_bytes, dtype=torch.uint8, device=device)
-        image = torch.from_numpy(core.image())
-        self.workspace[:image.numel()].copy_(image)
+        image = core.image()
+        runtime.upload_into(self.workspace[:image.size], image)
         view = {name: self.workspace[offset:offset + size]
                 for name, (offset, size) in core.regions.items()}
         entries = core.regions["partial_lse"][1] // (4 * self.num_qo_heads)
@@ -304,8 +304,7 @@ def _device_query_rows(q_lens: np.ndarray, masked: np.ndarray | None,
     branch, offset = query_rows(q_lens, 1, masked)
     if drafts is not None:
         offset = offset + drafts[:, 0]
-    return (torch.from_numpy(branch).to(device),
-            torch.from_numpy(offset.astype(np.int32)).to(device))
+    return (runtime.upload(branch, device), runtime.upload(offset.astype(np.int32), device))
 
 
 def _check_mask(mask, q_lens: np.ndarray | None) -> dict[int, np.ndarray] | None:
