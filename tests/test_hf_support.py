@@ -1,5 +1,7 @@
 """flash_reasoning.hf.support: every attention feature the kernels do not implement is named
 at setup, from the config (and modules), before any work; supported models pass."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from flash_reasoning.hf import (  # noqa: E402 (after the importorskip)
     unsupported_features,
 )
 from flash_reasoning.hf.models import random_model  # noqa: E402
-from flash_reasoning.hf.support import check_enabled  # noqa: E402
+from flash_reasoning.hf.support import attention_heads, check_enabled  # noqa: E402
 
 SMALL = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
          "intermediate_size": 32, "vocab_size": 32}
@@ -104,3 +106,39 @@ def test_enable_selects_the_tree_attention_by_a_name_without_flash():
     assert enable(model) is model
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     check_enabled(model)
+
+
+class ShardedWeight:
+    """A DTensor's two shapes: ``shape`` the whole weight's, ``to_local()`` this rank's."""
+
+    def __init__(self, whole_rows: int, local_rows: int) -> None:
+        self.shape = (whole_rows, 16)
+        self._local = torch.empty(local_rows, 16)
+
+    def to_local(self) -> torch.Tensor:
+        return self._local
+
+
+def fake_model(q_weight, k_weight, heads=28, kv_heads=4):
+    attention = SimpleNamespace(layer_idx=0, q_proj=SimpleNamespace(weight=q_weight),
+                                k_proj=SimpleNamespace(weight=k_weight))
+    config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    return SimpleNamespace(config=config, modules=lambda: iter([attention]))
+
+
+def test_attention_heads_are_the_configs_or_this_ranks_share():
+    assert attention_heads(random_model("qwen2", 28, 4, 64)) == (28, 4)
+    assert attention_heads(fake_model(torch.empty(28 * 64, 8), torch.empty(4 * 64, 8))) == (28, 4)
+    # two ranks (transformers' tp_plan): half the rows of each projection, half the heads
+    assert attention_heads(fake_model(ShardedWeight(28 * 64, 14 * 64),
+                                      ShardedWeight(4 * 64, 2 * 64))) == (14, 2)
+    # a gated projection (twice the rows a head) shards alike
+    assert attention_heads(fake_model(ShardedWeight(56 * 64, 14 * 64),
+                                      ShardedWeight(4 * 64, 64))) == (7, 1)
+
+
+@pytest.mark.parametrize("k_local", [32, 0], ids=["half_a_head", "no_head"])
+def test_attention_heads_refuses_ranks_without_whole_kv_heads(k_local):
+    model = fake_model(ShardedWeight(28 * 64, 28 * 8), ShardedWeight(4 * 64, k_local))
+    with pytest.raises(ValueError, match="whole heads"):
+        attention_heads(model)

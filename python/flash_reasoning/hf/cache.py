@@ -24,7 +24,7 @@ from ..ops.checks import as_int
 from ..ops.paged_decode import paged_decode
 from ..ops.tree_attention import TABLE_HEADROOM_BLOCKS, StalePlan, TreeAttentionPlan
 from ..runtime import upload
-from .support import ATTN_IMPLEMENTATION, check_model, head_dim_of
+from .support import ATTN_IMPLEMENTATION, attention_heads, check_model, head_dim_of
 
 #: The cache whose ``update`` ran last in this context, and for which layer: the attention
 #: function (called right after ``update`` by every supported model) finds its cache here,
@@ -75,8 +75,7 @@ class TreeCache(Cache):
         config = model.config
         parameter = next(model.parameters())
         self.num_layers = config.num_hidden_layers
-        self.num_qo_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_qo_heads
+        self.num_qo_heads, self.num_kv_heads = attention_heads(model)  # this rank's, under TP
         self.head_dim = head_dim_of(config)
         self.sm_scale = _attention_scaling(model, self.head_dim)
         self.allocator = PhysicalKVAllocator(

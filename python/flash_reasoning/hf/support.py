@@ -33,6 +33,33 @@ def head_dim_of(config) -> int:
     return int(head_dim) if head_dim else config.hidden_size // config.num_attention_heads
 
 
+def attention_heads(model) -> tuple[int, int]:
+    """The query and KV heads ``model``'s attention runs on this process: the config's, or,
+    under tensor parallelism (transformers' ``tp_plan``: projection weights are DTensors),
+    this rank's share of them, in the ratio of the projections' local rows to their whole."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for module in model.modules():
+        q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        if hasattr(module, "layer_idx") and q_proj is not None and k_proj is not None:
+            return _rank_share(heads, q_proj.weight), _rank_share(kv_heads, k_proj.weight)
+    return heads, kv_heads
+
+
+def _rank_share(heads: int, weight: torch.Tensor) -> int:
+    """``heads`` times the share of ``weight``'s output rows this process holds (all of them
+    unless it is a DTensor); whole heads, else a ValueError."""
+    if not hasattr(weight, "to_local"):
+        return heads
+    local, whole = weight.to_local().shape[0], weight.shape[0]
+    if (heads * local) % whole or not local:
+        raise ValueError(f"this process holds {local} of the {whole} output rows of a "
+                         f"projection over {heads} heads, not whole heads: tensor parallelism "
+                         f"must give each rank whole heads (at most {heads} ranks)")
+    return heads * local // whole
+
+
 def unsupported_features(config, device: torch.device | str = "cpu",
                          dtype: torch.dtype | None = None, model=None) -> list[str]:
     """The features of ``config`` (and ``model``'s modules, when given) that this integration
