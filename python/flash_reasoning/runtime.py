@@ -86,7 +86,8 @@ def upload(array, device: torch.device) -> torch.Tensor:
     A plain ``.to(device)`` from pageable memory synchronises the stream: the host then waits
     for every queued kernel before it plans the next step, and the GPU idles while it does
     (a decode loop's host work lands between its steps). Asynchronous, the driver stages the
-    pageable bytes before the call returns, so the array may change or go at once."""
+    pageable bytes before the call returns, so the array may change or go at once. On the
+    CPU the tensor shares the array's memory (``torch.from_numpy``)."""
     return torch.from_numpy(array).to(device, non_blocking=True)
 
 
