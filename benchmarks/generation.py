@@ -23,6 +23,11 @@ they are not). JSON (``--json``) and a figure (``--figure``, with matplotlib).
 [--n 1,8,64,256] [--new-tokens 128] [--fit-search | --fit-only] [--json out.json]
 [--figure out.png]``;
 ``--smoke`` runs a tiny model on CPU end to end (what the test runs).
+
+``torchrun --nproc_per_node W benchmarks/generation.py --tensor-parallel ...``: the model,
+made by rank 0 and saved, is loaded on every rank with transformers' tensor-parallel plan
+(each rank its share of the heads, its own cache of them); every path runs on every rank and
+rank 0 reports (tokens/s at W GPUs against the same command without it).
 """
 from __future__ import annotations
 
@@ -31,17 +36,21 @@ import gc
 import itertools
 import json
 import math
+import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 
 import torch
+import torch.distributed as dist
 
 from flash_reasoning.hf import TreeCache, TreeDecoder
 from flash_reasoning.hf.generate import BLOCK_SIZE, blocks_for
-from flash_reasoning.hf.models import random_model
+from flash_reasoning.hf.models import load_tensor_parallel, random_model
 
 #: Real models' shapes (random weights).
 SHAPES = {
@@ -71,11 +80,13 @@ PROFILED_STEPS = 3
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
+    if args.tensor_parallel:
+        join_ranks(device)
     shapes = SMOKE_SHAPES if args.smoke else {name: SHAPES[name] for name in args.models}
     report = {"meta": meta(device, args), "results": [], "largest_n": []}
     for name, shape in shapes.items():
-        model = random_model(**shape, dtype=args.dtype, device=device, seed=args.seed,
-                             init_std=args.init_std)
+        model = (sharded_random_model if args.tensor_parallel else random_model)(
+            **shape, dtype=args.dtype, device=device, seed=args.seed, init_std=args.init_std)
         for prompt_len in args.prompts:
             prompt = torch.randint(0, shape["vocab_size"], (prompt_len,),
                                    generator=torch.Generator().manual_seed(prompt_len))
@@ -84,24 +95,61 @@ def main(argv=None) -> int:
                 row = run_config(model, prompt, n, args.new_tokens)
                 row.update(model=name, prompt=prompt_len, n=n)
                 report["results"].append(row)
-                print(summary(row), flush=True)
+                say(summary(row))
                 save(report, args.json)
             if args.fit_search:
                 fits = {path: largest_n(model, prompt, args.new_tokens, path, args.n)
                         for path in PATHS}
                 report["largest_n"].append({"model": name, "prompt": prompt_len, **fits})
-                print(f"{name} prompt {prompt_len}: largest n {fits}", flush=True)
+                say(f"{name} prompt {prompt_len}: largest n {fits}")
                 save(report, args.json)
         del model
         release(device)
-    if args.figure:
+    if args.figure and reporting_rank():
         figure(report, args.figure)
+    if args.tensor_parallel:
+        dist.destroy_process_group()
     return 0
+
+
+# ---- tensor parallel ------------------------------------------------------------------------
+
+def join_ranks(device) -> None:
+    """Join torchrun's process group (NCCL on CUDA, each rank on its local GPU; gloo on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def sharded_random_model(device, **kwargs):
+    """:func:`random_model`'s model, made once by rank 0 and saved to a temporary folder, then
+    loaded on every rank with transformers' tensor-parallel plan (each rank its heads)."""
+    folder = [tempfile.mkdtemp(prefix="flash-reasoning-tp-") if reporting_rank() else None]
+    dist.broadcast_object_list(folder)
+    if reporting_rank():
+        random_model(device=device, **kwargs).save_pretrained(folder[0])
+        release(device)
+    dist.barrier()
+    model = load_tensor_parallel(folder[0], kwargs["dtype"])
+    dist.barrier()
+    if reporting_rank():
+        shutil.rmtree(folder[0])
+    return model
+
+
+def reporting_rank() -> bool:
+    """Whether this process prints and writes (the only one, or rank 0 of several)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def say(text: str) -> None:
+    if reporting_rank():
+        print(text, flush=True)
 
 
 def save(report: dict, path: str | None) -> None:
     """The report so far (after every configuration: a run cut short keeps what it did)."""
-    if path:
+    if path and reporting_rank():
         with open(path, "w") as f:
             json.dump(report, f, indent=1)
 
@@ -121,6 +169,9 @@ def parse_args(argv):
                         help="find the largest n each path fits (doubling, then bisection)")
     parser.add_argument("--fit-only", action="store_true",
                         help="the fit search alone, no timed configurations")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="under torchrun: the model sharded over the ranks by "
+                             "transformers' tp_plan (rank 0 reports; needs accelerate)")
     parser.add_argument("--json")
     parser.add_argument("--figure")
     parser.add_argument("--smoke", action="store_true",
@@ -131,6 +182,8 @@ def parse_args(argv):
         args.dtype, args.init_std, args.fit_search = torch.float32, 0.4, False
         torch.set_num_threads(1)  # tiny matmuls: more threads only contend
     args.fit_search = args.fit_search or args.fit_only
+    if args.tensor_parallel and args.fit_search:  # a rank out of memory alone would hang the rest
+        parser.error("--fit-search and --fit-only run on one process, not --tensor-parallel")
     return args
 
 
@@ -386,6 +439,8 @@ def guarded(fn, *args):
         result["ok"] = True
         return result, tokens
     except torch.cuda.OutOfMemoryError as error:
+        if dist.is_initialized():  # the other ranks wait in a collective: stop them all
+            raise
         message = str(error).splitlines()[0]
     release(args[1].device)
     return {"ok": False, "error": f"out of memory: {message}"}, None
@@ -431,7 +486,8 @@ def meta(device, args) -> dict:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "dtype": str(args.dtype),
-            "new_tokens": args.new_tokens, "init_std": args.init_std}
+            "new_tokens": args.new_tokens, "init_std": args.init_std,
+            "tensor_parallel": dist.get_world_size() if dist.is_initialized() else 1}
 
 
 def summary(row) -> str:

@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -93,6 +94,13 @@ def assert_allocator_unchanged(alloc, before):
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality: free blocks hold uninitialised memory, possibly NaN."""
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def free_port() -> int:
+    """A TCP port free now on this machine (torchrun's rendezvous for multi-process tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def load_benchmark(name: str):

@@ -9,11 +9,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
-from transformers.distributed import DistributedConfig
 
 from flash_reasoning.hf import beam_search, sample
-from flash_reasoning.hf.support import ATTN_IMPLEMENTATION
+from flash_reasoning.hf.models import load_tensor_parallel
 
 #: What every rank decodes (the test decodes the same on one process).
 PROMPT = [(5 + 11 * i) % 100 for i in range(13)]
@@ -23,9 +21,7 @@ BEAMS = 3
 
 
 def decode(model_dir: str) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, distributed_config=DistributedConfig(tp_plan="auto"), dtype=torch.float32,
-        attn_implementation=ATTN_IMPLEMENTATION).eval()
+    model = load_tensor_parallel(model_dir)
     sampled = sample(model, PROMPT, len(FIRST_TOKENS), STEPS, first_tokens=FIRST_TOKENS,
                      return_logits=True)
     beams = beam_search(model, PROMPT, BEAMS, STEPS)

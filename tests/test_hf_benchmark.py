@@ -2,11 +2,15 @@
 agree, the tree path stores the shared prompt once, and the JSON and figure are written."""
 import importlib.util
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import load_benchmark
+from conftest import free_port, load_benchmark
 
 pytest.importorskip("transformers")
 
@@ -59,3 +63,26 @@ def test_largest_n_finds_the_limit_from_any_listed_start(monkeypatch, limit):
     monkeypatch.setattr(bench, "guarded", fake_guarded)
     found = bench.largest_n(None, None, 8, "tree", [8, 64, 256])
     assert found <= limit and (limit - found) <= max(1, found // 16), (found, probed)
+
+
+def test_smoke_run_under_tensor_parallel_shards_the_cache(tmp_path):
+    """Two CPU ranks (gloo) through torchrun: each rank's cache holds half the KV heads
+    (half the bytes a token), and the paths' tokens still agree."""
+    pytest.importorskip("accelerate")
+    out = tmp_path / "gen.json"
+    script = Path(__file__).parent.parent / "benchmarks" / "generation.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         f"--master_port={free_port()}", str(script), "--smoke", "--tensor-parallel",
+         "--json", str(out)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["tensor_parallel"] == 2
+    kv_heads, head_dim = 2, 64  # tiny-llama's, split over two ranks, float32
+    for row in report["results"]:
+        for path in ("tree", "no_sharing"):
+            assert row[path]["kv_memory"]["bytes_per_token_per_layer"] == \
+                2 * (kv_heads // 2) * head_dim * 4
+        assert row["tree_vs_transformers"]["identical"], row["tree_vs_transformers"]
+        assert row["tree_vs_no_sharing"]["identical"], row["tree_vs_no_sharing"]

@@ -3,7 +3,6 @@ ranks over gloo): each rank's cache holds its share of the KV heads and every ra
 same tree operations; the greedy continuations and their logits equal transformers' on one
 process, and beam search gives the one-process beams."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ pytest.importorskip("accelerate")  # transformers loads a tp_plan through it
 
 import hf_tensor_parallel_worker as worker  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from flash_reasoning.hf import beam_search  # noqa: E402
 from flash_reasoning.hf.models import random_model, twin  # noqa: E402
 
@@ -25,12 +25,6 @@ WORLD = 2
 #: (arch, query heads, KV heads, head_dim): 4/2 heads a rank (group 2) and, with q/k/v
 #: biases, 14/2 (group 7).
 SHAPES = [("llama", 8, 4, 64), ("qwen2", 28, 4, 128)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

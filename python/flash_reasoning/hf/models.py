@@ -1,5 +1,6 @@
 """Random-weight models of real architectures, in any shape: what the tests and the
-generation benchmark decode (no download: the weights come from a seed)."""
+generation benchmark decode (no download: the weights come from a seed); a saved one loaded
+sharded over tensor-parallel ranks."""
 from __future__ import annotations
 
 import copy
@@ -40,6 +41,18 @@ def random_model(arch: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         model = model_class._from_config(config, dtype=dtype).eval()
     model.set_attn_implementation(attn_implementation)
     return model
+
+
+def load_tensor_parallel(path, dtype: torch.dtype = torch.float32,
+                         attn_implementation: str = ATTN_IMPLEMENTATION):
+    """The model saved at ``path`` loaded with transformers' tensor-parallel plan
+    (``tp_plan="auto"``) over the initialised ``torch.distributed`` group (torchrun's): each
+    rank holds its share of every layer's heads. Needs ``accelerate``."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    return AutoModelForCausalLM.from_pretrained(
+        path, distributed_config=DistributedConfig(tp_plan="auto"), dtype=dtype,
+        attn_implementation=attn_implementation).eval()
 
 
 def twin(model, attn_implementation: str = "sdpa"):
