@@ -138,7 +138,7 @@ class TreeCache(Cache):
     def lengths(self) -> list[int]:
         """The length of each row's branch (a step that failed midway undone first)."""
         self._settle(keep_begun=True)
-        return [self.allocator.length(b) for b in self._rows]
+        return self.allocator.lengths(self._rows).tolist()
 
     def position_ids(self, new_tokens: int = 1) -> torch.Tensor:
         """``[rows, new_tokens]`` positions of the next forward's tokens: each row's length
@@ -356,7 +356,7 @@ class TreeCache(Cache):
     def _new_step(self, new_tokens: int, slots: torch.Tensor | None) -> _Step:
         if not self._rows:
             raise ValueError("the batch is empty: set_batch() names the rows of a forward")
-        starts = np.asarray(self.lengths(), np.int64)
+        starts = self.allocator.lengths(self._rows)  # the caller settled the last step
         if new_tokens > 1:  # all rows' new tokens reserved at once: all-or-nothing
             step = _Step("extend", new_tokens, starts, None, None, self.num_layers)
             step.slots = self.allocator.reserve(self._rows, new_tokens).slots

@@ -370,7 +370,9 @@ def tree_attention(q: torch.Tensor, allocator: PhysicalKVAllocator, branch_ids: 
     ``length_i - q_lens[i] + j + 1``. ``mask`` (with ``q_lens``; one entry per branch,
     ``None`` or a bool ``[q_lens[i], q_lens[i]]``: a draft tree to verify): query ``j`` of a
     masked branch attends to the tokens before its new ones and to new token ``k`` where
-    ``mask[i][j, k]`` (:class:`TreeAttentionPlan`).
+    ``mask[i][j, k]`` (:class:`TreeAttentionPlan`). Each call reads ``mask`` on the host to
+    match it against the cached plan's (CUDA masks: a copy and a sync per call); a held
+    :class:`TreeAttentionPlan` reads them once.
 
     Keeps the last plan per allocator (never keeping the allocator alive) and reuses it while
     the branches, their tree and the head count are unchanged (the layers of one step, and
