@@ -644,20 +644,27 @@ def query_row_problem(alloc, ids, q_lens, num_qo_heads: int) -> Problem:
                    extra=2, shape=problem.shape)
 
 
-def test_query_rows_plan_as_python_plans_q_lens(api, host_context):
-    """A frTree of query rows is planned as Python plans the same q_lens."""
+@pytest.mark.parametrize("queries, heads, tiles", [(lambda i: (i * 7) % 13, 8, False),
+                                                   (lambda i: 12 + i % 5, 32, True)])
+def test_query_rows_plan_as_python_plans_q_lens(api, host_context, queries, heads, tiles):
+    """A frTree of query rows is planned as Python plans the same q_lens: a tree plan, or
+    query tiles (a branch's rows list the same blocks) with the same kernel."""
     from flash_reasoning import TreeAttentionPlan
     alloc, ids = seed_like_tree(torch.float16, 64, device="cpu")
-    q_lens = [(i * 7) % 13 for i in range(len(ids))]
-    rc, msg, plan = api.plan(host_context, query_row_problem(alloc, ids, q_lens, 8))
+    q_lens = [queries(i) for i in range(len(ids))]
+    rc, msg, plan = api.plan(host_context, query_row_problem(alloc, ids, q_lens, heads))
     assert rc == FR_OK, msg
-    python = TreeAttentionPlan(alloc, ids, 8, q_lens=q_lens, _options=PlanOptions(num_sms=132))
+    python = TreeAttentionPlan(alloc, ids, heads, q_lens=q_lens,
+                               _options=PlanOptions(num_sms=132, arch=ARCH))
     tree = alloc.segment_tree(ids, q_lens)
     info = api.info(plan)
     assert (info["num_branches"], info["num_nodes"], info["computed_nodes"],
             info["num_launches"], info["logical_tokens"]) == (
         sum(q_lens), tree.num_nodes, python.arrays.stats["computed_nodes"],
         len(python.arrays.items) + 1, int(tree.lengths.sum()))
+    assert (python.arrays.query_tiles.size > 0) == tiles
+    if tiles:
+        assert kernel_names(api, plan) == python.kernels
     api.lib.frPlanDestroy(plan)
 
 
@@ -1134,14 +1141,19 @@ def test_gpu_plan_run_matches_python_api(api, gpu_context, make_tree, dtype, hea
 
 
 @gpu
-def test_gpu_query_rows_match_the_reference(api, gpu_context):
+@pytest.mark.parametrize("queries, kernel", [(lambda i: (i * 5) % 25, "tree_final"),
+                                             (lambda i: 12 + i % 5, "tree_queries")])
+def test_gpu_query_rows_match_the_reference(api, gpu_context, queries, kernel):
+    """Query rows as a tree plan, and as query tiles (consecutive rows listing the same
+    blocks: a branch's queries)."""
     from flash_reasoning.tools.synthetic import random_kv
     alloc, ids = seed_like_tree(torch.float16, 128)
     alloc.append(alloc.reserve(ids, 8), 0,  # a block each: the pool's spare
                  *random_kv(alloc, torch.Generator().manual_seed(2), 8 * len(ids)))
-    q_lens = [(i * 5) % 25 for i in range(len(ids))]
+    q_lens = [queries(i) for i in range(len(ids))]
     rc, msg, plan = api.plan(gpu_context, query_row_problem(alloc, ids, q_lens, 32))
     assert rc == FR_OK, msg
+    assert kernel_names(api, plan)[-1].startswith(kernel)
     q = torch.randn(sum(q_lens), 32, 128, device="cuda").half()
     out = run_plan(api, plan, alloc, q)
     expected = reference.tree_attention(q, alloc, ids, q_lens=q_lens)

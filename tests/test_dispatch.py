@@ -131,13 +131,16 @@ def test_an_override_for_another_arch_leaves_this_one_alone(override, monkeypatc
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tree_launches_overlap_the_partial_launch_on_sm90_only(arch):
-    """Grid dependency control is sm90 PTX: the tree kernels use it there only, and only they
-    (each waits for the launch before it) are launched to overlap."""
+    """Grid dependency control is sm90 PTX: the tree kernels of plans of several launches use it
+    there only, and only they (each waits for the launch before it) are launched to overlap;
+    tree_queries is a plan's one launch."""
     hopper = arch == "sm90"
     for spec in dispatch.required_specs(arch):
-        if spec.family.startswith("tree_"):
+        waits = FAMILIES[spec.family].waits_for_previous
+        assert waits == (spec.family in ("tree_partial", "tree_final", "tree_merge"))
+        if waits:
             assert dict(spec.constexprs)["PDL"] == int(hopper), spec.name
-        assert spec.overlaps_previous == (hopper and spec.family.startswith("tree_"))
+        assert spec.overlaps_previous == (hopper and waits)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

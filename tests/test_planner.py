@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, _core, dispatch, planner
-from flash_reasoning.specializations import COMMON_FIELDS, TREE_ITEM_FIELDS
+from flash_reasoning.segment_tree import SegmentTree
+from flash_reasoning.specializations import COMMON_FIELDS, QUERY_TILE_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
 from flash_reasoning.tools.synthetic import random_branches
 
@@ -411,6 +412,48 @@ def test_a_plan_without_partials_runs_as_a_paged_decode():
     assert not plan_for(alloc, shared, 32, flat=False)[1].as_paged_decode
 
 
+def test_query_tiles_cut_each_sequence_evenly():
+    """Rows of one sequence (consecutive) cut into the fewest tiles of at most the tile's
+    queries (64 rows over the group), as even as they come; the plan is then flat, with no
+    partials and each row's range its whole sequence. Rows of no sequence: no tiles."""
+    alloc = PhysicalKVAllocator(200, 16, 2, 64, device="cpu")
+    ids = [alloc.alloc_branch(100).branch_id for _ in range(4)]
+    tree = alloc.segment_tree(ids)
+    shape = planner.Shape(8, 2, 64, **H100)  # group 4: 16 queries a tile
+    sequence = np.array([0, 0, 1, 1], np.int32)
+    tiles = planner.plan(tree, shape, planner.PlanOptions(query_tiles=True), sequence)
+    assert tiles.query_tiles.tolist() == [[0, 2], [2, 2]]
+    assert tiles.num_entries == 0 and (tiles.final_start == 0).all() and not tiles.items
+    assert planner.plan(tree, shape, planner.PlanOptions(query_tiles=True)).query_tiles.size == 0
+    rows = np.repeat(np.arange(4, dtype=np.int32), [17, 16, 1, 40])
+    lengths = np.full(rows.size, 100)
+    keys = np.stack([rows, np.full(rows.size, -1, np.int32)], axis=1)
+    many = SegmentTree.from_keys(rows, lengths, np.array([0, 100]), keys)
+    arrays = planner.plan(many, shape, planner.PlanOptions(query_tiles=True), rows)
+    assert arrays.query_tiles.tolist() == [[0, 9], [9, 8], [17, 16], [33, 1], [34, 14],
+                                           [48, 14], [62, 12]]
+    # By default: full tiles (48 rows of 64 on average), or half-full ones over short walks,
+    # with a program per SM.
+    many_sms = dataclasses.replace(shape, num_sms=8)
+    def sequences(queries, length):  # 4 sequences of `queries` rows, each `length` tokens
+        rows = np.repeat(np.arange(4, dtype=np.int32), queries)
+        keys = np.stack([rows, np.full(rows.size, -1, np.int32)], axis=1)
+        return SegmentTree.from_keys(rows, np.full(rows.size, length), np.array([0, length]),
+                                     keys), rows
+
+    for queries, length, expected in ((12, 2000, True), (8, 2000, False), (8, 1000, True),
+                                      (4, 1000, False)):
+        tree, rows = sequences(queries, length)
+        arrays = planner.plan(tree, many_sms, planner.PlanOptions(), rows)
+        assert (arrays.query_tiles.size > 0) == expected, (queries, length)
+    few_programs = dataclasses.replace(shape, num_sms=9)  # 4 tiles x 2 KV heads
+    tree, rows = sequences(12, 2000)
+    assert planner.plan(tree, few_programs, planner.PlanOptions(), rows).query_tiles.size == 0
+    dispatch_rows = dispatch.dispatch_rules("sm90")["constants"]["tree_queries_block_m"]
+    assert dispatch_rows == dict(dispatch.tree_queries_spec("float16", 128, "sm90").constexprs)[
+        "BLOCK_M"] == 64
+
+
 def test_merge_steps_match_the_merge_kernel():
     from flash_reasoning import _core, dispatch
     assert _core.MERGE_SLOTS_PER_STEP == dispatch.MERGE_BLOCK_S
@@ -518,11 +561,12 @@ def test_plans_order_their_final_launches():
 
 
 def test_item_fields_match_the_core():
-    """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS and
-    COMMON_FIELDS."""
+    """The C++ planner writes the records the kernels read by TREE_ITEM_FIELDS,
+    COMMON_FIELDS and QUERY_TILE_FIELDS."""
     from flash_reasoning import _core
     assert tuple(_core.TREE_ITEM_FIELDS) == TREE_ITEM_FIELDS
     assert tuple(_core.COMMON_FIELDS) == COMMON_FIELDS
+    assert tuple(_core.QUERY_TILE_FIELDS) == QUERY_TILE_FIELDS
     assert dispatch.SLOT_RUN_COUNTS == tuple(range(1, _core.MAX_ITEM_RUNS + 1))
 
 

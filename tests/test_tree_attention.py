@@ -683,6 +683,76 @@ def test_q_lens_interpreted(dtype, heads, separate, query_block):
     check(out, q, alloc, ids, q_lens=q_lens)
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2), (14, 2), (16, 1)])  # groups 1, 4, 7, 16
+@pytest.mark.parametrize("masked", [False, True])
+def test_query_tiles_interpreted(dtype, heads, masked):
+    """One tree_queries launch: each tile's queries (x the group: 64 rows, 9 queries of 7
+    heads with a row to spare) walk their branch from its first token, each to its own causal
+    end or mask; branches of more queries than a tile holds take several tiles. Each row's
+    table holds only its own blocks (as a C ABI plan's): a tile reads its longest row's."""
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], dtype=dtype, tokens=120, seed=heads[0],
+                        branches=8)
+    q_lens = random_q_lens(alloc, ids, heads[0], most=40)
+    mask = random_masks(q_lens, heads[0]) if masked else None
+    q = queries(alloc, ids, heads[0], rows=sum(q_lens))
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask,
+                             _options=PlanOptions(num_sms=4, arch="sm90", query_tiles=True))
+    plan.refresh()
+    own_blocks = -(-plan.lengths.long() // alloc.block_size)  # each row's own, as the C ABI's
+    plan.tables[torch.arange(plan.tables.shape[1]) >= own_blocks[:, None]] = 0
+    out = poisoned_like(q)
+    from aot.interpret import run_interpreted
+    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+    tiles = plan.arrays.query_tiles
+    assert plan.kernels == [plan.kernels[0]] and plan.kernels[0].startswith("tree_queries_")
+    assert (f"_draft{int(masked)}_" in plan.kernels[0]) and plan.arrays.num_entries == 0
+    assert tiles[:, 1].sum() == sum(q_lens) and tiles[:, 1].max() <= 64 // (heads[0] // heads[1])
+    check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+
+
+@interpreter
+def test_query_tiles_follow_growth_interpreted():
+    """A held query-tile plan reads each branch's last q_lens tokens as the branches grow
+    (its rows' lengths refreshed on the device, its tiles' tables the branches')."""
+    alloc, ids = forest("cpu", num_kv_heads=2, seed=13, tokens=40, branches=4)
+    from aot.interpret import run_interpreted
+    gen = torch.Generator().manual_seed(2)
+    plan = None
+    for step in range(3):
+        alloc.append(alloc.reserve(ids, 20), 0, *random_kv(alloc, gen, 20 * len(ids)))
+        plan = plan or TreeAttentionPlan(alloc, ids, 8, q_lens=[20] * len(ids),
+                                         _options=PlanOptions(arch="sm90", num_sms=4))
+        assert plan.arrays.query_tiles.shape == (len(ids) * 2, 2)  # 20 queries: 2 tiles of 10
+        plan.refresh()
+        q = queries(alloc, ids, 8, seed=step, rows=20 * len(ids))
+        out = poisoned_like(q)
+        run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+        check(out, q, alloc, ids, q_lens=[20] * len(ids))
+
+
+def test_query_tiles_are_chosen_where_they_fill_the_tile():
+    """Query tiles where a tile holds 32 rows on average (planner.h's kQueryTileMinRows), a
+    tree plan below, or where a tree plan's choice is forced; never for one query a branch."""
+    alloc, ids = forest("cpu", num_kv_heads=2, seed=14, tokens=60)
+    alloc.append(alloc.reserve(ids, 16), 0, *random_kv(alloc, torch.Generator(), 16 * len(ids)))
+
+    def tiles(q_lens, heads, **options):
+        plan = TreeAttentionPlan(alloc, ids, heads, q_lens=q_lens,
+                                 _options=PlanOptions(**options))
+        return plan.arrays.query_tiles.shape[0]
+
+    assert tiles([8] * len(ids), 8) == len(ids)       # 8 queries x 4 heads: 32 rows a tile
+    assert tiles([4] * len(ids), 8) == 0              # 16 rows
+    assert tiles([4] * len(ids), 8, query_tiles=True) == len(ids)
+    assert tiles([16] * len(ids), 8, flat=False) == 0
+    assert tiles([16] * len(ids), 8, query_tiles=False) == 0
+    assert tiles(None, 8, query_tiles=True) == 0      # decode rows name no sequences
+    assert tiles([16] * len(ids), 64, query_tiles=True) == 8 * len(ids)  # group 32: 2 a tile
+    assert tiles([16] * len(ids), 256, query_tiles=True) == 0  # a group the tile cannot hold
+
+
 def test_query_blocks_are_planned_as_shared_nodes():
     """Rows planned with their new tokens rounded down to blocks of queries: a block's
     queries share the blocks before it, so the tree has a node per block (and the rows are
@@ -711,9 +781,10 @@ def test_query_blocks_are_planned_as_shared_nodes():
 @given(branches=st.integers(1, 20), depth=st.integers(1, 8), tokens=st.integers(0, 40),
        group=st.sampled_from([1, 4, 16]), merge=st.sampled_from([None, False, True]),
        lanes=st.sampled_from([None, 1, 4]), block=st.sampled_from([None, 1, 3, 8]),
-       masked=st.booleans(), seed=st.integers(0, 2**16))
+       masked=st.booleans(), tiles=st.sampled_from([None, False, True]),
+       seed=st.integers(0, 2**16))
 def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, lanes, block,
-                                        masked, seed):
+                                        masked, tiles, seed):
     """Causal queries, or draft masks (read in final programs whatever the options ask),
     under the planner's choices."""
     alloc, ids = forest("cpu", num_kv_heads=1, head_dim=16, branches=branches, depth=depth,
@@ -724,7 +795,7 @@ def test_q_lens_torch_path_random_trees(branches, depth, tokens, group, merge, l
     lanes = None if merge or lanes is None else min(lanes, 32 // group)  # the wide tile's
     plan = TreeAttentionPlan(alloc, ids, group, q_lens=q_lens, mask=mask,
                              _options=PlanOptions(separate_merge=merge, final_lanes=lanes,
-                                                  query_block=block))
+                                                  query_block=block, query_tiles=tiles))
     if plan.draft_masks is not None:
         assert not plan.arrays.separate_merge and not plan.arrays.as_paged_decode
     check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
@@ -1011,14 +1082,17 @@ def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype
     alloc, ids = gpu_forest(branches, depth, tokens, head_dim, dtype, seed)
     q_lens = random_q_lens(alloc, ids, seed)
     q = queries(alloc, ids, group * alloc.num_kv_heads, seed, rows=sum(q_lens))
-    for separate, block in ((None, None), (True, 8), (False, 1), (None, 16)):
+    for separate, block, tiles in ((None, None, None), (True, 8, False), (False, 1, False),
+                                   (None, 16, False), (None, None, True)):
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens,
                                  _options=PlanOptions(separate_merge=separate,
-                                                      query_block=block))
+                                                      query_block=block, query_tiles=tiles))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens)
     mask = random_masks(q_lens, seed)
-    plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask)
-    check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
+    for tiles in (False, True):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask,
+                                 _options=PlanOptions(query_tiles=tiles))
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
 
 
 @gpu

@@ -98,6 +98,49 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
 
 
 @triton.jit
+def attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size,
+                row_ok, row_end, draft_start, draft_allowed, sm_scale_log2,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                DRAFT: tl.constexpr):
+    """:func:`attend` of a tile whose rows read one paged sequence from its first token, each
+    row ``r`` up to its own ``row_end[r]`` (where ``row_ok``; a tile of several queries: causal
+    ends), with ``DRAFT`` its tokens from ``draft_start[r]`` where ``draft_allowed[r]`` allows.
+    The whole KV tiles every row reads run unmasked; the rest, each row masked at its own end
+    (a token one row reads is loaded for all: 0 x a NaN there reaches the others). Rows may be
+    left empty (-inf, 0, 0)."""
+    offs = tl.arange(0, BLOCK_N)
+    end = tl.max(tl.where(row_ok, row_end, 0), 0)
+    clear = row_end
+    if DRAFT:
+        clear = tl.minimum(clear, draft_start)
+    clear = tl.minimum(tl.min(tl.where(row_ok, clear, table_tokens), 0), end)
+    clear = clear // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
+    page = tl.load(table + offs // page_size, mask=offs < end, other=0)  # one step ahead (attend)
+    for n0 in tl.range(0, clear, BLOCK_N):
+        n = n0 + offs
+        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+        k, v = load_kv(k_pool, v_pool, kv_rows, n, HEAD_DIM, False)
+        ahead = n + BLOCK_N
+        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        s = tile_scores(qt, k, n, sm_scale_log2, False)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, False)
+    for n0 in tl.range(clear, end, BLOCK_N):
+        n = n0 + offs
+        n_ok = n < end
+        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+        k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
+        ahead = n + BLOCK_N
+        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        seen = n[None, :] < row_end[:, None]
+        if DRAFT:
+            seen = seen & draft_allows(n[None, :], draft_start[:, None], draft_allowed[:, None])
+        s = tl.where(seen, tl.dot(qt, tl.trans(k)) * sm_scale_log2, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def draft_allows(n, draft_start, draft_allowed):
     """Whether tokens ``n`` may be read: before ``draft_start``, or a draft token whose bit of
     ``draft_allowed`` (bit k: token ``draft_start + k``, k < 64) is set."""

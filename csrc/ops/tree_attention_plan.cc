@@ -74,11 +74,24 @@ Status check_drafts(const DraftMask* drafts, int64_t rows, const int32_t* length
   return Status::Ok();
 }
 
-// A plan with draft masks reads every draft token in the final kernel, the only one that applies
-// them: never merged separately (which would read the draft tokens in open partial items), never
-// a paged decode.
+// Whether rows a and b of `tree` list the same blocks over the longer one's tokens.
+bool same_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, int64_t b) {
+  int64_t cols = ceil_div(std::max(tree.lengths[a], tree.lengths[b]), shape.block_size);
+  return std::equal(tree.tables + a * tree.stride, tree.tables + a * tree.stride + cols, tree.tables + b * tree.stride);
+}
+
+// Each row's sequence for query tiles: consecutive rows listing the same blocks (the C ABI's
+// several queries of a branch, each a row with the branch's table) are one sequence.
+std::vector<int32_t> sequences_from_tables(const AttentionShape& shape, const TreeInput& tree) {
+  std::vector<int32_t> sequence(size_t(tree.num_branches), 0);
+  for (int64_t i = 1; i < tree.num_branches; ++i) sequence[i] = sequence[i - 1] + !same_blocks(shape, tree, i - 1, i);
+  return sequence;
+}
+
+// A plan with draft masks reads every draft token in the final kernel or in query tiles, the only
+// ones that apply them: never merged separately (which would read the draft tokens in open partial
+// items), never a paged decode (PlanOptions::final_kernel).
 PlanOptions draft_options(PlanOptions options) {
-  options.separate_merge = 0;
   options.final_kernel = true;
   return options;
 }
@@ -116,6 +129,7 @@ Status plan_shape_of(const Context* ctx, const AttentionShape& shape, int64_t nu
   Status st = ctx->rules().constant("tree_block_m_narrow", &out->block_ms[0]);
   if (st.ok()) st = ctx->rules().constant("tree_block_m_wide", &out->block_ms[1]);
   if (st.ok()) st = ctx->rules().constant("tree_final_block_m_wide", &out->wide_final_rows);
+  if (st.ok()) st = ctx->rules().constant("tree_queries_block_m", &out->query_tile_rows);
   return st;
 }
 
@@ -135,12 +149,15 @@ Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, cons
   st = segment_tree_from_tables(tree.num_branches, lengths.data(), tree.tables, tree.stride, shape.block_size,
                                 &segments);
   if (!st.ok()) return st;
-  return create(ctx, shape, std::move(segments), tree.tables, tree.stride, extra_blocks, options, out, 0, drafts);
+  std::vector<int32_t> sequences = sequences_from_tables(shape, tree);
+  return create(ctx, shape, std::move(segments), tree.tables, tree.stride, extra_blocks, options, out, 0, drafts,
+                sequences.data());
 }
 
 Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, SegmentTree tree, const int32_t* tables,
                                  int64_t stride, int64_t extra_blocks, const PlanOptions& options,
-                                 std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms, const DraftMask* drafts) {
+                                 std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms, const DraftMask* drafts,
+                                 const int32_t* row_sequence) {
   Status st = ctx ? check_shape(*ctx, shape, "tree_final") : check_shape_fields(shape, false);
   if (!st.ok()) return st;
   if (extra_blocks < 0) return invalid("extra_blocks must be >= 0, got " + std::to_string(extra_blocks));
@@ -160,7 +177,8 @@ Status TreeAttentionPlan::create(Context* ctx, const AttentionShape& shape, Segm
 
   std::unique_ptr<TreeAttentionPlan> p(new TreeAttentionPlan(ctx, shape));
   if (!(st = plan_shape_of(ctx, shape, num_sms, &p->plan_shape_)).ok()) return st;
-  if (!(st = make_plan(tree, p->plan_shape_, drafts ? draft_options(options) : options, &p->plan_)).ok()) return st;
+  if (!(st = make_plan(tree, p->plan_shape_, drafts ? draft_options(options) : options, &p->plan_, row_sequence)).ok())
+    return st;
   if (drafts) p->drafts_.assign(drafts, drafts + tree.num_rows());
   if (tables && !(st = p->take_tables(input, extra_blocks)).ok()) return st;
   p->lengths_ = std::move(lengths);
@@ -278,8 +296,10 @@ Status TreeAttentionPlan::add_partial_launches() {
 }
 
 // The final launch (each branch's own range and its merge), the merge launch of a plan that
-// merges separately, or, for a plan with no partials, paged_decode's kernel over its tables.
+// merges separately, or, for a plan with no partials, paged_decode's kernel over its tables or
+// tree_queries over its query tiles.
 Status TreeAttentionPlan::add_last_launch() {
+  if (plan_.as_query_tiles()) return add_query_tile_launch();
   int64_t n = num_branches(), tiles = plan_shape_.final_tiles(), lanes = plan_.final_lanes;
   int64_t longest = 0;  // the longest final range: what the final kernel is picked by
   for (int64_t b = 0; b < n; ++b) longest = std::max<int64_t>(longest, lengths_[b] - plan_.final_start[b]);
@@ -339,6 +359,33 @@ Status TreeAttentionPlan::add_last_launch() {
   }
   if (st.ok()) launches_.push_back(std::move(launch));
   return st;
+}
+
+// tree_queries: one program per (query tile, KV head), picked by the longest row (tiles cover all).
+Status TreeAttentionPlan::add_query_tile_launch() {
+  int64_t count = int64_t(plan_.query_tiles.size() / kQueryTileFields.size());
+  int64_t longest = *std::max_element(lengths_.begin(), lengths_.end());
+  std::string kernel = drafts_.empty() ? "tree_queries/" : "tree_queries_draft/";
+  OpLaunch launch;
+  Status st = pick_launch(*ctx_, plan_shape_.num_sms,
+                          addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest, count,
+                          shape_.num_kv_heads, 1, &launch);
+  if (!st.ok()) return st;
+  launch.launch.args = {call(0),
+                        call(1),
+                        call(2),
+                        region_arg("block_tables", Region::kTables),
+                        region_arg("seq_lens", Region::kLengths),
+                        work_list("query_tiles", kQueryTiles),
+                        region_arg("draft_masks", Region::kDraftMasks),
+                        call(3),
+                        LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
+                        LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
+                        LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
+                        LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
+                        LaunchArg::Value("max_blocks", Arg::Int(max_blocks_))};
+  launches_.push_back(std::move(launch));
+  return Status::Ok();
 }
 
 Status TreeAttentionPlan::bind(uint64_t workspace) {
@@ -402,6 +449,13 @@ Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_
                         std::to_string(tables_[b * max_blocks_ + j]) + " -> " +
                         std::to_string(tree.tables[b * tree.stride + j]) + "), inside a range the plan shares");
   }
+  // A query tile reads all its rows through its longest row's table: they must list the same blocks.
+  const std::vector<int32_t>& tiles = plan_.query_tiles;
+  for (size_t t = 0; t < tiles.size(); t += kQueryTileFields.size())
+    for (int64_t row = tiles[t] + 1; row < tiles[t] + tiles[t + 1]; ++row)
+      if (!same_blocks(shape_, tree, tiles[t], row))
+        return mismatch("branch " + std::to_string(row) + " no longer lists the blocks of branch " +
+                        std::to_string(tiles[t]) + ", which its query tile reads as one sequence");
   *tables = dense_tables(shape_, tree, max_blocks_);
   lengths->assign(tree.lengths, tree.lengths + tree.num_branches);
   return Status::Ok();

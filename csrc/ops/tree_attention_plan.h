@@ -62,9 +62,12 @@ class TreeAttentionPlan {
   // path, planning tools; any dtype) there are none, and `tables` may be null (planning only).
   // `drafts` (null: none): row i's draft mask, its draft tokens beyond tree.lengths[i] (the row
   // is planned without them, and they are read in its final range only, where the mask applies).
+  // `row_sequence` (null: none): row i's sequence, rows of one sequence consecutive and holding
+  // the same blocks while the plan lives (several queries of a branch): query tiles may group them.
   static Status create(Context* ctx, const AttentionShape& shape, SegmentTree tree, const int32_t* tables,
                        int64_t stride, int64_t extra_blocks, const PlanOptions& options,
-                       std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms = 0, const DraftMask* drafts = nullptr);
+                       std::unique_ptr<TreeAttentionPlan>* out, int64_t num_sms = 0, const DraftMask* drafts = nullptr,
+                       const int32_t* row_sequence = nullptr);
   // The C ABI's: sharing read from the tables (segment_tree_from_tables); `drafts` as above,
   // each row's draft tokens its last (within tree.lengths[i]).
   static Status create(Context* ctx, const AttentionShape& shape, const TreeInput& tree, int64_t extra_blocks,
@@ -78,7 +81,8 @@ class TreeAttentionPlan {
   const Plan& plan() const { return plan_; }
   const PlanShape& plan_shape() const { return plan_shape_; }
   const SegmentTree& tree() const { return tree_; }
-  // The partial launches (one per row tile in plan().items), then the final, merge or decode one.
+  // The partial launches (one per row tile in plan().items), then the final, merge, decode or
+  // query-tile one.
   const std::vector<OpLaunch>& launches() const { return launches_; }
   // Per plan().items entry: the runs of consecutive slots its launch reads each item as (1 or 2),
   // or 0 (the page kernels); planner.h's item_runs.
@@ -114,6 +118,7 @@ class TreeAttentionPlan {
   Status build_launches();
   Status add_partial_launches();
   Status add_last_launch();
+  Status add_query_tile_launch();
   LaunchArg work_list(const char* name, size_t list) const;
   LaunchArg region_arg(const char* name, Region r) const;
   void layout_workspace();

@@ -280,6 +280,23 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
   return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes);
 }
 
+// The tokens query tile `tile` (a record) walks: its longest row's.
+int64_t query_tile_walk(const SegmentTree& t, const int32_t* tile) {
+  return *std::max_element(t.lengths.begin() + tile[0], t.lengths.begin() + tile[0] + tile[1]);
+}
+
+// A query-tile launch: its longest tile's walk (a wide tile's KV tiles) times its waves (kWaves
+// programs per SM); the tree's tokens read once.
+double query_tiles_us(const Plan& p, const SegmentTree& t, const PlanShape& shape) {
+  int64_t longest = 0, tiles = int64_t(p.query_tiles.size() / kQueryTileFields.size());
+  for (size_t i = 0; i < p.query_tiles.size(); i += kQueryTileFields.size())
+    longest = std::max(longest, query_tile_walk(t, &p.query_tiles[i]));
+  int64_t unique = 0;
+  for (int64_t v = 0; v < t.num_nodes(); ++v) unique += t.node_end[v] - t.node_start[v];
+  return launch_us(partial_steps(ceil_div(longest, kChunkAlign), tiles * shape.num_kv_heads, true, shape),
+                   double(unique) * double(shape.kv_bytes_per_token()));
+}
+
 // Whether a flat plan could beat `estimate`: it reads every branch's whole path, in one launch
 // at least.
 bool flat_may_win(const SegmentTree& t, const PlanShape& shape, double estimate) {
@@ -379,15 +396,35 @@ bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_
          launch_us(partial_steps(root_tiles, root_programs, wide_tile, shape), double(root_tokens) * bytes_per_token);
 }
 
+std::vector<int32_t> query_tile_records(int64_t rows, const int32_t* row_sequence, int64_t queries) {
+  std::vector<int32_t> records;
+  for (int64_t first = 0, last = 0; first < rows; first = last) {
+    while (last < rows && row_sequence[last] == row_sequence[first]) ++last;
+    int64_t count = last - first, tiles = ceil_div(count, queries), per_tile = ceil_div(count, tiles);
+    for (int64_t at = first; at < last; at += per_tile)
+      records.insert(records.end(), {int32_t(at), int32_t(std::min(per_tile, last - at))});
+  }
+  return records;
+}
+
+bool query_tiles_win(int64_t rows, int64_t tiles, int64_t mean_walk, const PlanShape& shape) {
+  if (tiles == 0 || double(tiles * shape.num_kv_heads) < kQueryTileMinProgramsPerSm * double(shape.num_sms))
+    return false;
+  int64_t tile_rows = rows * shape.group();
+  return tile_rows >= kQueryTileFullRows * tiles ||
+         (tile_rows >= kQueryTileMinRows * tiles && mean_walk <= kQueryTileShortWalk);
+}
+
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
+  if (plan.as_query_tiles()) return query_tiles_us(plan, tree, shape);
   double total = last_launch_us(plan, tree, shape);
   for (const ItemList& list : plan.items) total += partial_launch_us(list, tree, shape);
   return total;
 }
 
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets) {
-  std::vector<const std::vector<int32_t>*> lists = {&plan.order, &plan.final_start, &plan.merge_ptr, &plan.entry_slot,
-                                                    &plan.common};
+  std::vector<const std::vector<int32_t>*> lists = {&plan.order,      &plan.final_start, &plan.merge_ptr,
+                                                    &plan.entry_slot, &plan.common,      &plan.query_tiles};
   for (const ItemList& items : plan.items) lists.push_back(&items.records);
   flat->clear();
   offsets->clear();
@@ -553,10 +590,11 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
   std::vector<int64_t> step, pieces;
   cut_ranges(length, p.chunk_tokens, &step, &pieces);
   p.separate_merge =
-      options.separate_merge >= 0
-          ? options.separate_merge != 0
-          : merge_separately(longest_final_walk(tree, r, step, pieces), separate_merge_adds_launch(r, block_m, pieces),
-                             tree.num_rows() * shape.final_tiles(), shape.num_sms);
+      !options.final_kernel &&
+      (options.separate_merge >= 0
+           ? options.separate_merge != 0
+           : merge_separately(longest_final_walk(tree, r, step, pieces), separate_merge_adds_launch(r, block_m, pieces),
+                              tree.num_rows() * shape.final_tiles(), shape.num_sms));
   if (!options.target_chunk) {  // the chunk length the merge mode asks for, now it is known
     int64_t tokens = merge_mode_chunk_tokens(r, programs, length, block_m, p.separate_merge, shape);
     if (tokens != p.chunk_tokens) {
@@ -629,9 +667,34 @@ void prefer_one_tile(const SegmentTree& tree, const PlanShape& shape, const Plan
     *plan = std::move(wide);
 }
 
+// The plan of `tree`'s rows as query tiles (query_tile_records()), a flat plan with no partials,
+// where rows name their sequences and query_tiles_win() (or the options) say so. Forcing a tree
+// plan's choices asks for a tree plan (tests, the tuner).
+bool plan_query_tiles(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options,
+                      const int32_t* row_sequence, Plan* out) {
+  if (!row_sequence || options.query_tiles == 0 || shape.query_tile_queries() == 0) return false;
+  std::vector<int32_t> tiles = query_tile_records(tree.num_rows(), row_sequence, shape.query_tile_queries());
+  int64_t count = int64_t(tiles.size() / kQueryTileFields.size()), walked = 0;
+  for (size_t i = 0; i < tiles.size(); i += kQueryTileFields.size()) walked += query_tile_walk(tree, &tiles[i]);
+  bool tree_forced = options.flat >= 0 || options.separate_merge >= 0 || options.final_lanes || options.one_tile >= 0 ||
+                     options.target_chunk;
+  if (options.query_tiles != 1 &&
+      (tree_forced || !query_tiles_win(tree.num_rows(), count, walked / std::max<int64_t>(count, 1), shape)))
+    return false;
+  Plan p;
+  p.order.assign(tree.order.begin(), tree.order.end());
+  p.final_start.assign(size_t(tree.num_rows()), 0);
+  p.merge_ptr.assign(size_t(tree.num_rows()) + 1, 0);
+  p.query_tiles = std::move(tiles);
+  p.estimated_us = estimated_us(p, tree, shape);
+  *out = std::move(p);
+  return true;
+}
+
 }  // namespace
 
-Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out) {
+Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out,
+                 const int32_t* row_sequence) {
   Status st = check_shape(shape);
   if (st.ok()) st = check_segment_tree(tree);
   if (!st.ok()) return st;
@@ -641,6 +704,7 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
                                                      std::to_string(shape.max_wide_final_lanes()) +
                                                      " (the wide final tile's rows over the GQA group), got " +
                                                      std::to_string(options.final_lanes));
+  if (plan_query_tiles(tree, shape, options, row_sequence, out)) return Status::Ok();
   Plan plan;
   if (!(st = build_plan(tree, shape, options, options.flat == 1, options.one_tile == 1, &plan)).ok()) return st;
   if (options.flat < 0 && plan.computed_nodes && flat_may_win(tree, shape, plan.estimated_us)) {

@@ -159,6 +159,32 @@ constexpr std::array<const char*, 9> kTreeItemFields = {
 // of the program reads in the same pages, read once through row lead_row's block table.
 constexpr std::array<const char*, 3> kCommonFields = {"lead_row", "start", "end"};
 
+// A query tile is an int32 record of these fields (Python's specializations.QUERY_TILE_FIELDS
+// must match: a test checks): rows first_row .. first_row + rows - 1, consecutive queries of one
+// sequence, read through the block table of the longest (rows list the same blocks).
+constexpr std::array<const char*, 2> kQueryTileFields = {"first_row", "rows"};
+
+// Query tiles: where the caller names each row's sequence (several queries of a branch, each a
+// row), a plan may run as one launch of tree_queries, one program per (tile, KV head), a tile's
+// rows its sequence's consecutive queries x the GQA group: each walks the sequence once for all
+// of them, to each row's own length, and writes the output (no partials, no merge). A sequence's
+// queries fill the tile a shared node's branches fill in a tree plan, so sharing across branches
+// is left to L2. query_tiles_win() takes it where the launch has kQueryTileMinProgramsPerSm
+// programs per SM (fewer cannot fill the GPU: a tree plan cuts long ranges into chunks) and the
+// tiles hold kQueryTileFullRows rows on average, or kQueryTileMinRows where the walks average at
+// most kQueryTileShortWalk tokens. Half-full tiles do twice the tree plan's MMA work on long
+// shared paths, which full tiles match; on short paths the tree plan's partials and final
+// programs cost more than the empty rows. H200, each several-query step planned both ways
+// (extends of 4-256 queries on 8-256 branches of a 2048-token prompt, chains of 2-32 draft
+// tokens on six trees of the cases file), query tiles' speed over the tree plan's: at 16
+// queries x group 4 (full tiles) 0.98-1.01x on 2048-token paths, 2.1-2.9x on ~300-token ones;
+// at 8 (half full) 0.52-0.73x on 2048-token paths, 1.5-1.7x on the short ones; at 4 queries
+// 0.27-0.94x but on one tree (1.06x); 16 branches of full tiles (128 programs) 0.68-0.71x.
+constexpr double kQueryTileMinProgramsPerSm = 1.0;
+constexpr int64_t kQueryTileFullRows = 48;
+constexpr int64_t kQueryTileMinRows = 32;
+constexpr int64_t kQueryTileShortWalk = 1024;
+
 // What the planner needs to know about the attention call and the GPU.
 struct PlanShape {
   int64_t num_qo_heads = 0;
@@ -172,6 +198,8 @@ struct PlanShape {
   // The packed final kernel's wide tile (rows; its own compiled kernels): more lanes than the
   // narrow tile holds, taken only beside a lone root that outlasts the leaves (final_lanes()).
   int64_t wide_final_rows = 32;
+  // tree_queries' tile (rows): a query tile holds this many rows over the GQA group queries.
+  int64_t query_tile_rows = 64;
 
   int64_t group() const { return num_qo_heads / num_kv_heads; }
   // Branches one final-kernel program can serve: its narrow tile's rows over the group.
@@ -185,6 +213,8 @@ struct PlanShape {
   }
   // Final-kernel programs per branch (per lane when packed): the group's narrow tiles.
   int64_t final_tiles() const { return num_kv_heads * ceil_div(group(), block_ms[0]); }
+  // Queries one query tile holds (0: the GQA group does not fit the tile).
+  int64_t query_tile_queries() const { return query_tile_rows / group(); }
   // One token's K (or V) across the KV heads: a row of the pool.
   int64_t token_row_bytes() const { return num_kv_heads * head_dim * dtype_bytes; }
   int64_t kv_bytes_per_token() const { return 2 * token_row_bytes(); }
@@ -202,8 +232,10 @@ struct PlanOptions {
   int early_final = -1;     // -1: by final_starts_early(); 0 or 1: forced (tuning, tests)
   int host_nodes = -1;      // -1 or 1: hosted nodes read in their host's tiles; 0: each its own (tests)
   int slot_runs = -1;       // -1 or 1: slot-run kernels where the pages allow (item_runs); 0: never
-  // Never a paged decode: a plan with draft masks (only tree_final applies them).
+  // Never a paged decode nor merged separately, whatever separate_merge asks: a plan with draft
+  // masks (only tree_final and query tiles apply them).
   bool final_kernel = false;
+  int query_tiles = -1;  // -1: by query_tiles_win() where rows name their sequences; 0 or 1: forced
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.
@@ -250,16 +282,28 @@ struct Plan {
   // (programs, head tiles): final_heads_first().
   bool final_heads_first = false;
   double estimated_us = 0;  // estimated_us() of this plan
+  // A plan of query tiles: kQueryTileFields.size() int32 per tile; every other list is a flat
+  // plan's with no partials (each row's final range its whole sequence), and no final kernel runs.
+  std::vector<int32_t> query_tiles;
 
   // Whether some final program reads a shared range (the final launch takes the COMMON kernel).
   bool has_common() const { return !common.empty(); }
+  bool as_query_tiles() const { return !query_tiles.empty(); }
 };
 
 // The plan's int32 lists as one buffer for a single upload: order, final_start, merge_ptr,
-// entry_slot, common, then each ItemList's records, each in a slot of a multiple of 4 words (at
+// entry_slot, common, query_tiles, then each ItemList's records, each in a slot of a multiple of 4 words (at
 // least 4), so every list's pointer is valid, distinct and 16-byte aligned. offsets[i] is list
 // i's first element, the lists in WorkList's order.
-enum WorkList { kOrder = 0, kFinalStart = 1, kMergePtr = 2, kEntrySlot = 3, kCommon = 4, kFirstItems = 5 };
+enum WorkList {
+  kOrder = 0,
+  kFinalStart = 1,
+  kMergePtr = 2,
+  kEntrySlot = 3,
+  kCommon = 4,
+  kQueryTiles = 5,
+  kFirstItems = 6
+};
 void pack_work_lists(const Plan& plan, std::vector<int32_t>* flat, std::vector<int64_t>* offsets);
 
 // The most runs of consecutive slots tree_partial's SLOT_RUNS kernels read an item's range as
@@ -345,11 +389,22 @@ bool final_starts_early(bool separate_merge);
 // over whole branches (H100: ft_1,4,256/q16kv1 14.6 -> 13.1 us,
 // ft_1,2,64/q16kv1 13.2 -> 11.0; flat_64x2048/q32kv32 713.2 -> 709.8, paged_decode's own launch).
 bool runs_as_paged_decode(bool separate_merge, int64_t num_entries, bool lanes_forced);
+// The query tiles of rows 0 .. rows - 1 whose sequences are `row_sequence` (rows of one sequence
+// consecutive): each sequence's rows cut into the fewest tiles of at most `queries` rows, as even
+// as they come.
+std::vector<int32_t> query_tile_records(int64_t rows, const int32_t* row_sequence, int64_t queries);
+// Whether a plan of `tiles` query tiles over `rows` rows, whose tiles walk `mean_walk` tokens on
+// average, runs as query tiles (kQueryTileMinProgramsPerSm, kQueryTileFullRows, kQueryTileMinRows,
+// kQueryTileShortWalk).
+bool query_tiles_win(int64_t rows, int64_t tiles, int64_t mean_walk, const PlanShape& shape);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 
-// The work of one decode step over `tree`. kInvalidArgument for a bad shape or a plan whose
-// partials would overflow the kernels' int32 indexing.
-Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out);
+// The work of one decode step over `tree`. `row_sequence` (may be null): row i's sequence, rows
+// of one sequence consecutive (several queries of a branch): query tiles may group them.
+// kInvalidArgument for a bad shape or a plan whose partials would overflow the kernels' int32
+// indexing.
+Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out,
+                 const int32_t* row_sequence = nullptr);
 
 }  // namespace flash_reasoning

@@ -251,6 +251,7 @@ fr::PlanOptions options_from(const py::dict& options) {
   get("early_final", &o.early_final);
   get("host_nodes", &o.host_nodes);
   get("slot_runs", &o.slot_runs);
+  get("query_tiles", &o.query_tiles);
   return o;
 }
 
@@ -297,6 +298,7 @@ py::dict plan_arrays(const fr::TreeAttentionPlan& plan) {
   d["merge_ptr"] = to_numpy(p.merge_ptr);
   d["entry_slot"] = to_numpy(p.entry_slot);
   d["common"] = to_numpy(p.common).attr("reshape")(-1, int64_t(fr::kCommonFields.size()));
+  d["query_tiles"] = to_numpy(p.query_tiles).attr("reshape")(-1, int64_t(fr::kQueryTileFields.size()));
   d["num_entries"] = p.num_entries;
   d["separate_merge"] = p.separate_merge;
   d["final_lanes"] = p.final_lanes;
@@ -339,18 +341,22 @@ using Int64Table = py::array_t<int64_t, py::array::c_style | py::array::forcecas
 std::unique_ptr<fr::TreeAttentionPlan> make_tree_plan(fr::Context* context, const py::dict& shape,
                                                       const py::object& tree, const std::optional<Int32Table>& tables,
                                                       int64_t extra_blocks, const py::dict& options, int64_t num_sms,
-                                                      const std::optional<Int64Table>& draft_masks) {
+                                                      const std::optional<Int64Table>& draft_masks,
+                                                      const std::optional<Int32Table>& row_sequence) {
   fr::SegmentTree t = tree_from_python(tree);
   require(!tables || (tables->ndim() == 2 && tables->shape(0) == t.num_rows()),
           "tables must be [num_branches, columns]");
   require(
       !draft_masks || (draft_masks->ndim() == 2 && draft_masks->shape(0) == t.num_rows() && draft_masks->shape(1) == 2),
       "draft_masks must be int64 [num_branches, 2]");
+  require(!row_sequence || (row_sequence->ndim() == 1 && row_sequence->shape(0) == t.num_rows()),
+          "row_sequence must be int32 [num_branches]");
   std::unique_ptr<fr::TreeAttentionPlan> plan;
-  check(fr::TreeAttentionPlan::create(
-      context, shape_from(shape), std::move(t), tables ? tables->data() : nullptr, tables ? tables->shape(1) : 0,
-      extra_blocks, options_from(options), &plan, num_sms,
-      draft_masks ? reinterpret_cast<const fr::DraftMask*>(draft_masks->data()) : nullptr));
+  check(
+      fr::TreeAttentionPlan::create(context, shape_from(shape), std::move(t), tables ? tables->data() : nullptr,
+                                    tables ? tables->shape(1) : 0, extra_blocks, options_from(options), &plan, num_sms,
+                                    draft_masks ? reinterpret_cast<const fr::DraftMask*>(draft_masks->data()) : nullptr,
+                                    row_sequence ? row_sequence->data() : nullptr));
   return plan;
 }
 
@@ -495,6 +501,8 @@ PYBIND11_MODULE(_core, m) {
   m.attr("TREE_ITEM_FIELDS") =
       py::cast(std::vector<std::string>(fr::kTreeItemFields.begin(), fr::kTreeItemFields.end()));
   m.attr("COMMON_FIELDS") = py::cast(std::vector<std::string>(fr::kCommonFields.begin(), fr::kCommonFields.end()));
+  m.attr("QUERY_TILE_FIELDS") =
+      py::cast(std::vector<std::string>(fr::kQueryTileFields.begin(), fr::kQueryTileFields.end()));
   m.attr("REREAD_WEIGHT") = fr::kRereadWeight;
   m.attr("SEPARATE_MERGE_STEPS") = fr::kSeparateMergeSteps;
   m.attr("MERGE_SLOTS_PER_STEP") = fr::kMergeSlotsPerStep;
@@ -665,11 +673,12 @@ PYBIND11_MODULE(_core, m) {
                                     "planner's lists, the launches, the workspace layout and its image.")
       .def(py::init(&make_tree_plan), py::arg("context"), py::arg("shape"), py::arg("tree"), py::arg("tables"),
            py::arg("extra_blocks"), py::arg("options"), py::arg("num_sms") = 0, py::arg("draft_masks") = py::none(),
-           py::keep_alive<1, 2>(),
+           py::arg("row_sequence") = py::none(), py::keep_alive<1, 2>(),
            "Plan `tree` (a SegmentTree) over `tables` (int32 [num_branches, columns]); `context` None plans "
            "without kernels. `shape`: num_qo_heads, num_kv_heads, head_dim, dtype, block_size, num_blocks, "
            "sm_scale; `options`: planner.PlanOptions' fields as ints; `num_sms` 0: the context's; `draft_masks`: "
-           "int64 [num_branches, 2], each row's draft tokens (beyond its tree length) and allowed bits.")
+           "int64 [num_branches, 2], each row's draft tokens (beyond its tree length) and allowed bits; "
+           "`row_sequence`: int32 [num_branches], each row's sequence (rows of one consecutive: query tiles).")
       .def_property_readonly("arrays", &plan_arrays, "The plan's lists (planner.PlanArrays' fields).")
       .def_property_readonly(
           "launches",

@@ -20,6 +20,7 @@ from .specializations import (
     TREE_FINAL,
     TREE_MERGE,
     TREE_PARTIAL,
+    TREE_QUERIES,
     Spec,
     make_spec,
 )
@@ -61,15 +62,20 @@ TREE_BLOCK_MS = (16, 64)
 #: The packed final kernel's wide tile (rows): more lanes than the narrow tile's BLOCK_M
 #: holds, planned beside a lone root that outlasts the leaves (``planner``).
 FINAL_WIDE_BLOCK_M = 32
+#: Rows of a ``tree_queries`` tile (its queries x the GQA group): the wide partial tile's, so
+#: that a sequence's queries fill the tensor-core tile a shared node's branches would.
+QUERY_TILE_BLOCK_M = TREE_BLOCK_MS[1]
 #: (kernel, block_m) of every rule list of one dtype and head_dim: ``paged_decode`` (one
 #: program per sequence and GQA tile), ``paged_decode_split`` (a split decode: few programs),
 #: ``tree_final``, ``tree_final_packed`` (several branches per program, ``Plan.final_lanes``),
 #: ``tree_final_packed_wide`` (as many as :data:`FINAL_WIDE_BLOCK_M` rows hold),
 #: ``tree_final_common`` and ``tree_final_common_wide`` (packed programs that first walk the
 #: range their lanes share, ``PlanArrays.common``), each of these five as ``..._draft`` (its
-#: rows' draft tokens read as their draft masks allow) and ``tree_partial`` (a list per
-#: query-row tile). A rule list (``tuning_table.Rules``) gives a config by the launch's
-#: programs per SM and the most tokens one program walks; the manifest exports the same lists.
+#: rows' draft tokens read as their draft masks allow), ``tree_queries`` and
+#: ``tree_queries_draft`` (query tiles: several queries of one sequence a program) and
+#: ``tree_partial`` (a list per query-row tile). A rule list (``tuning_table.Rules``) gives a
+#: config by the launch's programs per SM and the most tokens one program walks; the manifest
+#: exports the same lists.
 _FINAL_KEYS = {"tree_final": {"PACKED": 0},
                "tree_final_packed": {"PACKED": 1, "COMMON": 0, "BLOCK_M": BLOCK_M},
                "tree_final_packed_wide": {"PACKED": 1, "COMMON": 0, "BLOCK_M": FINAL_WIDE_BLOCK_M},
@@ -78,6 +84,7 @@ _FINAL_KEYS = {"tree_final": {"PACKED": 0},
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None)) + \
     tuple((kernel, None) for kernel in _FINAL_KEYS) + \
     tuple((f"{kernel}_draft", None) for kernel in _FINAL_KEYS) + \
+    (("tree_queries", None), ("tree_queries_draft", None)) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 #: The kernel family and the specialization keys each rule list's kernel stands for.
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
@@ -86,6 +93,9 @@ RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                       for kernel, key in _FINAL_KEYS.items()},
                    **{f"{kernel}_draft": ("tree_final", {**key, "DRAFT": 1})
                       for kernel, key in _FINAL_KEYS.items()},
+                   "tree_queries": ("tree_queries", {"DRAFT": 0, "BLOCK_M": QUERY_TILE_BLOCK_M}),
+                   "tree_queries_draft": ("tree_queries",
+                                          {"DRAFT": 1, "BLOCK_M": QUERY_TILE_BLOCK_M}),
                    "tree_partial": ("tree_partial", {})}
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
@@ -118,6 +128,12 @@ PACKED_WIDE_FINAL_CONFIGS = {64: (32, 2, 3), 128: (32, 2, 3), 256: (32, 4, 2)}
 #: head_dim 256 the packed kernels' config (not measured).
 COMMON_FINAL_CONFIGS = {64: (64, 2, 2), 128: (64, 2, 2), 256: (32, 4, 2)}
 COMMON_WIDE_FINAL_CONFIGS = {64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 4, 2)}
+#: Query tiles (64 rows) walk with a 64-token tile, four warps, two stages (H200, head_dim 128,
+#: 8 several-query steps of 300-2300-token walks: 4-9% faster than at three stages on each,
+#: 28-75% faster than at 8 warps or with a 128-token tile; a 128-row tile at 8 warps was 2-5%
+#: faster on three 2048-token walks, 1.9x slower where 16 queries filled half of it, 8-83%
+#: slower on 300-token walks).
+QUERY_TILE_CONFIG = (64, 4, 2)
 
 
 def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
@@ -125,9 +141,12 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
     a table lacks), from H100 sweeps of the attention loop over ranges of 8-2048 tokens.
 
     The wide ``tree_partial`` tile walks long shared ranges with three stages (H100: 16 tiles
-    x 2048 tokens 49.0 us, 57.6 at two); sm89 has 99 KB of shared memory per block: one stage
-    less. They pick by range alone (any program count)."""
-    if kernel == "tree_partial" and block_m != BLOCK_M:
+    x 2048 tokens 49.0 us, 57.6 at two), query tiles (``tree_queries``, the same rows) with
+    :data:`QUERY_TILE_CONFIG`, head_dim 256 both with the wide tile's; sm89 has 99 KB of
+    shared memory per block: one stage less. They pick by range alone (any program count)."""
+    if kernel == "tree_queries" and head_dim != 256:
+        return _any_launch(QUERY_TILE_CONFIG)
+    if (kernel == "tree_partial" and block_m != BLOCK_M) or kernel == "tree_queries":
         if arch == "sm89":
             return _any_launch((64, 8, 1) if head_dim == 256 else (64, 4, 2))
         return _any_launch(HEAD_DIM_256_CONFIG if head_dim == 256 else (64, 4, 3))
@@ -276,7 +295,7 @@ def reset() -> None:
     ``$FLASH_REASONING_TUNING`` changes)."""
     tuning_table.load.cache_clear()
     for cached in (rules, config_for, decode_spec, tree_partial_spec, tree_final_spec,
-                   tree_merge_spec):
+                   tree_merge_spec, tree_queries_spec):
         cached.cache_clear()
 
 
@@ -395,6 +414,20 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
                      PAGE=compiled_page(page_size), PDL=grid_dependency(arch))
 
 
+@functools.lru_cache(maxsize=None)
+def tree_queries_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
+                      page_size: int = 0, draft: bool = False) -> Spec:
+    """Query tiles (several queries of one sequence a program, :data:`QUERY_TILE_BLOCK_M`
+    rows); ``draft``: the rows' draft tokens read as their draft masks allow."""
+    check_dtype(dtype)
+    check_head_dim(head_dim)
+    kernel = "tree_queries_draft" if draft else "tree_queries"
+    block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
+    return make_spec(TREE_QUERIES, dtype, warps, stages, HEAD_DIM=head_dim,
+                     BLOCK_M=QUERY_TILE_BLOCK_M, BLOCK_N=block_n, DRAFT=int(draft),
+                     PAGE=compiled_page(page_size))
+
+
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
                 block_m: int | None = None, page_size: int = 0,
                 slot_runs: int = 0) -> Spec:
@@ -404,6 +437,9 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
         _check_slot_runs(kernel, slot_runs)
     if kernel == "tree_partial":
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, slot_runs)
+    if kernel.startswith("tree_queries"):
+        return tree_queries_spec(dtype, head_dim, arch, config, page_size,
+                                 kernel.endswith("_draft"))
     if kernel.startswith("tree_final"):
         base = kernel.removesuffix("_draft")
         return tree_final_spec(dtype, head_dim, arch, config, base != "tree_final", page_size,
@@ -496,7 +532,8 @@ def dispatch_rules(arch: str, only: dict | None = None) -> dict:
                 rules_out[key] = [list(rule) for rule in tuning_table.simplify(named)]
     constants = {"block_m": BLOCK_M, "tree_block_m_narrow": TREE_BLOCK_MS[0],
                  "tree_block_m_wide": TREE_BLOCK_MS[1],
-                 "tree_final_block_m_wide": FINAL_WIDE_BLOCK_M, "merge_block_s": MERGE_BLOCK_S,
+                 "tree_final_block_m_wide": FINAL_WIDE_BLOCK_M,
+                 "tree_queries_block_m": QUERY_TILE_BLOCK_M, "merge_block_s": MERGE_BLOCK_S,
                  "append_block": APPEND_BLOCK, "min_tokens_per_split": MIN_TOKENS_PER_SPLIT,
                  "max_splits": MAX_SPLITS}
     return {"rules": rules_out, "constants": constants}

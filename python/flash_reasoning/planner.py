@@ -34,7 +34,8 @@ class Shape:
 
 
 #: PlanOptions' choices that are yes, no or the cost model's (None).
-_TRISTATE = ("separate_merge", "flat", "one_tile", "early_final", "host_nodes", "slot_runs")
+_TRISTATE = ("separate_merge", "flat", "one_tile", "early_final", "host_nodes", "slot_runs",
+             "query_tiles")
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class PlanOptions:
     tile's rows over the GQA group); ``one_tile`` (every item in the wide tile, or each in its
     own); ``early_final`` (the last launch starts at the partial launch's start); ``host_nodes``
     (``False``: every computed node has items of its own); ``slot_runs`` (``False``: the page
-    kernels only); ``query_block`` (a several-query plan's rows rounded to it:
+    kernels only); ``query_tiles`` (a several-query plan as query tiles, or never; by default
+    where its tiles are full enough and no tree choice above is forced: ``query_tiles_win`` in
+    csrc/planner/planner.h); ``query_block`` (a several-query tree plan's rows rounded to it:
     ``ops.tree_attention.QUERY_BLOCK``). ``arch`` and ``num_sms`` plan a CPU allocator's
     launches for that arch and SM count (the interpreter), or a GPU plan for another SM
     count."""
@@ -58,6 +61,7 @@ class PlanOptions:
     early_final: bool | None = None
     host_nodes: bool | None = None
     slot_runs: bool | None = None
+    query_tiles: bool | None = None
     query_block: int | None = None
     arch: str | None = None
     num_sms: int | None = None
@@ -110,7 +114,11 @@ class PlanArrays:
     tables (``runs_as_paged_decode`` in csrc/planner/planner.h says why). ``draft_masks``
     (int64 ``[rows, 2]``, no rows in a plan without drafts): each row's last
     ``draft_masks[b, 0]`` tokens are draft tokens, read in its final range where bit k of
-    ``draft_masks[b, 1]`` allows the k-th. ``stats``: node
+    ``draft_masks[b, 1]`` allows the k-th. ``query_tiles`` (``[tiles, 2]`` int32, fields
+    ``specializations.QUERY_TILE_FIELDS``; no rows unless the plan runs as query tiles): rows
+    ``first_row`` to ``first_row + rows - 1``, consecutive queries of one sequence, one
+    ``tree_queries`` program per tile and KV head, each row over its whole sequence (the plan is
+    flat, with no partials). ``stats``: node
     and computed-node counts, the chunk length, the cost model's estimate, partial programs."""
     order: np.ndarray
     chunk_start: np.ndarray
@@ -134,6 +142,7 @@ class PlanArrays:
     early_final: bool
     as_paged_decode: bool
     draft_masks: np.ndarray
+    query_tiles: np.ndarray
     stats: dict
 
     @property
@@ -152,18 +161,22 @@ class PlanArrays:
         return starts
 
 
-def plan(tree: SegmentTree, shape: Shape, options: PlanOptions | None = None) -> PlanArrays:
+def plan(tree: SegmentTree, shape: Shape, options: PlanOptions | None = None,
+         row_sequence: np.ndarray | None = None) -> PlanArrays:
     """The work of one decode step over ``tree`` (planning only: no kernels picked, no block
     tables read), as a :class:`~flash_reasoning.TreeAttentionPlan` of that tree would make it.
-    ``options`` forces the planner's choices. ``ValueError`` when the partials would overflow
-    the kernels' int32 indexing, for forced lanes out of range, or for a broken tree."""
+    ``options`` forces the planner's choices; ``row_sequence`` (int per row, rows of one
+    sequence consecutive: several queries of a branch) lets query tiles group rows.
+    ``ValueError`` when the partials would overflow the kernels' int32 indexing, for forced
+    lanes out of range, or for a broken tree."""
     options = options or PlanOptions()
     dtype = {2: "float16", 4: "float32", 8: "float64"}.get(shape.dtype_bytes, "float16")
     core_shape = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "dtype": dtype, "block_size": 1, "num_blocks": 1,
                   "sm_scale": 0.0}
     try:
-        core = _core.TreePlan(None, core_shape, tree, None, 0, options.core(), shape.num_sms)
+        core = _core.TreePlan(None, core_shape, tree, None, 0, options.core(), shape.num_sms,
+                              row_sequence=row_sequence)
     except _core.CoreError as err:
         raise ValueError(str(err)) from None
     return PlanArrays(**core.arrays)

@@ -89,6 +89,11 @@ TREE_ITEM_FIELDS = ("table_row", "kv_start", "kv_end", "row_ptr", "num_rows",
 #: every lane of the program reads in the same pages, through row ``lead_row``'s block table.
 COMMON_FIELDS = ("lead_row", "start", "end")
 
+#: A query tile: an int32 record of these fields (the planner writes one per tile,
+#: ``tree_queries`` reads them): rows ``first_row`` to ``first_row + rows - 1`` of a plan,
+#: consecutive queries of one sequence, read through the block table of the longest.
+QUERY_TILE_FIELDS = ("first_row", "rows")
+
 _TREE_PAGED = (("q", "*{dt}"), ("k_pool", "*{dt}"), ("v_pool", "*{dt}"),
                ("block_tables", "*i32"), ("seq_lens", "*i32"))
 _TREE_SCALARS = (("sm_scale_log2", "fp32"), ("num_qo_heads", "i32"), ("num_kv_heads", "i32"),
@@ -124,8 +129,15 @@ TREE_MERGE = Family(
     waits_for_previous=True,
 )
 
+TREE_QUERIES = Family(
+    name="tree_queries",
+    params=_TREE_PAGED + (("query_tiles", "*i32"), ("draft_masks", "*i64"), ("out", "*{dt}"))
+    + _TREE_SCALARS,
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DRAFT", "PAGE"),
+)
+
 FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV, TREE_PARTIAL,
-                                TREE_FINAL, TREE_MERGE)}
+                                TREE_FINAL, TREE_MERGE, TREE_QUERIES)}
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,11 @@ class TreeAttentionPlan:
     its own copy of ``branch_ids`` (and ``q_lens``). ``_options`` (a ``planner.PlanOptions``)
     forces the planner's choices, for tests and the tuner.
 
-    Several queries per branch are planned as one row each (``segment_tree.query_rows``), in
+    Several queries per branch are planned as one row each (``segment_tree.query_rows``).
+    Where a branch's queries fill the kernels' tiles (``planner.PlanOptions.query_tiles``), the
+    plan is *query tiles*: one program per tile of a branch's consecutive queries (x the GQA
+    group) and KV head walks the branch once for all of them, each query to its own causal end
+    or mask, in one launch (``tree_queries``). Otherwise it is a tree plan over the rows, in
     blocks of :data:`QUERY_BLOCK` queries: a branch's context is read once for all its queries
     and all the branches sharing it, as for decode rows, each block's new tokens once for the
     later blocks, and each query reads its own block's new tokens itself. A masked branch's
@@ -125,8 +129,11 @@ class TreeAttentionPlan:
         self.mask = None if masks is None else [masks.get(i) for i in range(len(self.q_lens))]
         #: Each row's draft mask (int64 [num_rows, 2]: draft tokens, allowed bits), or None.
         self.draft_masks = None if masks is None else draft_masks(masks, self.q_lens)
+        # Query tiles group a branch's queries (rows of one sequence, consecutive).
+        sequence = None if q_lens is None else \
+            np.repeat(np.arange(len(self.q_lens), dtype=np.int32), self.q_lens)
         self._core = _core.TreePlan(self._context, self._shape(), tree, tables, headroom,
-                                    options.core(), self.num_sms, self.draft_masks)
+                                    options.core(), self.num_sms, self.draft_masks, sequence)
         self._make_workspace(device)
         self._query_rows = None if q_lens is None else \
             _device_query_rows(self.q_lens, masked, self.draft_masks, device)

@@ -1,0 +1,64 @@
+"""Several queries of one sequence per program: a step's query rows grouped into *query tiles*.
+
+``tree_queries`` runs one program per (query tile, KV head). Tile ``t`` is the int32 record
+``query_tiles[t]`` (fields ``specializations.QUERY_TILE_FIELDS``): rows ``first_row`` to
+``first_row + rows - 1`` of the plan, consecutive queries of one sequence (the planner groups
+only rows its caller names as one sequence, so they list the same blocks). The tile's M
+rows are its queries x the GQA group (row ``f``: query ``f // group``, head ``f % group`` of
+the KV head's group), so one K/V load serves every query of the tile, as a shared node's tile
+serves the branches below it. The program walks the sequence from its first token through
+the table of its longest row (a row's table need hold only its own tokens' blocks: the C
+ABI's plans hold no more), each row up to its own length (read on the device: a plan follows
+its rows as they grow), and writes the normalised output: no partials, no merge, one launch.
+
+``DRAFT``: each row's last ``draft_masks[row, 0]`` tokens are a draft it reads where its bits
+``draft_masks[row, 1]`` allow (``attention_core.draft_allows``), its other tokens as usual.
+"""
+import triton
+import triton.language as tl
+
+from flash_reasoning.specializations import QUERY_TILE_FIELDS
+
+from .attention_core import attend_rows, normalise
+
+TILE_FIELDS = tl.constexpr(len(QUERY_TILE_FIELDS))
+FIRST_ROW = tl.constexpr(QUERY_TILE_FIELDS.index("first_row"))
+ROWS = tl.constexpr(QUERY_TILE_FIELDS.index("rows"))
+
+
+@triton.jit
+def tree_queries(q, k_pool, v_pool, block_tables, seq_lens, query_tiles, draft_masks, out,
+                 sm_scale_log2, num_qo_heads, num_kv_heads, page_size, max_blocks,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DRAFT: tl.constexpr, PAGE: tl.constexpr):
+    if PAGE:  # a compiled page size (attention_core.attend)
+        page_size = PAGE
+    tile = query_tiles + tl.program_id(0).to(tl.int64) * TILE_FIELDS
+    kv_head = tl.program_id(1)
+    group = num_qo_heads // num_kv_heads
+    f = tl.arange(0, BLOCK_M)
+    query = f // group
+    first = tl.load(tile + FIRST_ROW)
+    row_ok = (query < tl.load(tile + ROWS)) & (query < BLOCK_M // group)
+    row = first + query
+    head = kv_head * group + f % group
+    d = tl.arange(0, HEAD_DIM)
+    q_rows = row.to(tl.int64) * num_qo_heads + head
+    qt = tl.load(q + q_rows[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0)
+    # Lengths past the table's capacity are clamped: never read outside the table.
+    table_tokens = max_blocks * page_size
+    row_end = tl.minimum(tl.load(seq_lens + row, mask=row_ok, other=0), table_tokens)
+    draft_start = row_end
+    draft_allowed = tl.zeros_like(row_end).to(tl.int64)
+    if DRAFT:
+        mask = draft_masks + row.to(tl.int64) * 2
+        draft_start = row_end - tl.load(mask, mask=row_ok, other=0).to(tl.int32)
+        draft_allowed = tl.load(mask + 1, mask=row_ok, other=0)
+    longest = first + tl.argmax(tl.where(row_ok, row_end, -1), 0) // group
+    table = block_tables + longest.to(tl.int64) * max_blocks
+    m_i, l_i, acc = attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads,
+                                page_size, row_ok, row_end, draft_start, draft_allowed,
+                                sm_scale_log2, HEAD_DIM, BLOCK_M, BLOCK_N, DRAFT)
+    o, _ = normalise(m_i, l_i, acc)
+    tl.store(out + q_rows[:, None] * HEAD_DIM + d[None, :], o.to(out.dtype.element_ty),
+             mask=row_ok[:, None])
