@@ -87,10 +87,8 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
         n_ok = n < end
         if DRAFT:  # masked draft tokens read as zeros: a NaN there stays out, as in the reference
             n_ok = n_ok & draft_allows(n, draft_start, draft_allowed)
-        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
-        k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
-        ahead = n + BLOCK_N
-        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        k, v, page = load_paged_kv(k_pool, v_pool, table, page, n, n_ok, end, kv_head,
+                                   num_kv_heads, page_size, HEAD_DIM, BLOCK_N, True)
         s = tile_scores(qt, k, n_ok, sm_scale_log2, True)
         # Without drafts every tile holds at least one valid key (n0 < end): no row is empty.
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DRAFT)
@@ -119,25 +117,46 @@ def attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, 
     page = tl.load(table + offs // page_size, mask=offs < end, other=0)  # one step ahead (attend)
     for n0 in tl.range(0, clear, BLOCK_N):
         n = n0 + offs
-        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
-        k, v = load_kv(k_pool, v_pool, kv_rows, n, HEAD_DIM, False)
-        ahead = n + BLOCK_N
-        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        k, v, page = load_paged_kv(k_pool, v_pool, table, page, n, n, end, kv_head,
+                                   num_kv_heads, page_size, HEAD_DIM, BLOCK_N, False)
         s = tile_scores(qt, k, n, sm_scale_log2, False)
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, False)
     for n0 in tl.range(clear, end, BLOCK_N):
         n = n0 + offs
-        n_ok = n < end
-        kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
-        k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, True)
-        ahead = n + BLOCK_N
-        page = tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+        k, v, page = load_paged_kv(k_pool, v_pool, table, page, n, n < end, end, kv_head,
+                                   num_kv_heads, page_size, HEAD_DIM, BLOCK_N, True)
         seen = n[None, :] < row_end[:, None]
         if DRAFT:
             seen = seen & draft_allows(n[None, :], draft_start[:, None], draft_allowed[:, None])
         s = tl.where(seen, tl.dot(qt, tl.trans(k)) * sm_scale_log2, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, True)
     return m_i, l_i, acc
+
+
+@triton.jit
+def load_paged_kv(k_pool, v_pool, table, page, n, n_ok, end, kv_head, num_kv_heads, page_size,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """The K and V rows of tokens ``n`` of a paged sequence (:func:`load_kv`), ``page`` their
+    page ids, and the next tile's page ids (tokens ``n + BLOCK_N`` below ``end``): loaded one
+    step ahead, so that the table is not a dependent round trip before each K/V load."""
+    kv_rows = (page.to(tl.int64) * page_size + n % page_size) * num_kv_heads + kv_head
+    k, v = load_kv(k_pool, v_pool, kv_rows, n_ok, HEAD_DIM, MASKED)
+    ahead = n + BLOCK_N
+    return k, v, tl.load(table + ahead // page_size, mask=ahead < end, other=0)
+
+
+@triton.jit
+def draft_window(draft_masks, row, ok, end, DRAFT: tl.constexpr):
+    """Row ``row``'s draft mask as (first draft token, allowed bits): its last
+    ``draft_masks[row, 0]`` tokens before ``end``; none without ``DRAFT`` (unused). ``row``,
+    ``ok`` and ``end`` may be a tile's, one per tile row."""
+    draft_start = end
+    draft_allowed = tl.zeros_like(end).to(tl.int64)
+    if DRAFT:
+        mask = draft_masks + row.to(tl.int64) * 2
+        draft_start = end - tl.load(mask, mask=ok, other=0).to(tl.int32)
+        draft_allowed = tl.load(mask + 1, mask=ok, other=0)
+    return draft_start, draft_allowed
 
 
 @triton.jit

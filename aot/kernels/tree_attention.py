@@ -56,6 +56,7 @@ from .attention_core import (
     attend,
     attend_lanes,
     attend_runs,
+    draft_window,
     fold_partials,
     group_rows,
     let_next_launch_start,
@@ -237,19 +238,6 @@ def final_range(seq, ok, seq_lens, final_start, page_size, max_blocks):
     start = tl.load(final_start + seq, mask=ok, other=0)
     end = tl.minimum(tl.load(seq_lens + seq, mask=ok, other=0), max_blocks * page_size)
     return start, tl.maximum(end, start)
-
-
-@triton.jit
-def draft_window(draft_masks, seq, ok, end, DRAFT: tl.constexpr):
-    """Row ``seq``'s draft mask as (first draft token, allowed bits): its last
-    ``draft_masks[seq, 0]`` tokens before ``end``; none without ``DRAFT`` (unused)."""
-    draft_start = end
-    draft_allowed = tl.zeros_like(end).to(tl.int64)
-    if DRAFT:
-        mask = draft_masks + seq.to(tl.int64) * 2
-        draft_start = end - tl.load(mask, mask=ok, other=0).to(tl.int32)
-        draft_allowed = tl.load(mask + 1, mask=ok, other=0)
-    return draft_start, draft_allowed
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from flash_reasoning.specializations import QUERY_TILE_FIELDS
 
-from .attention_core import attend_rows, normalise
+from .attention_core import attend_rows, draft_window, normalise
 
 TILE_FIELDS = tl.constexpr(len(QUERY_TILE_FIELDS))
 FIRST_ROW = tl.constexpr(QUERY_TILE_FIELDS.index("first_row"))
@@ -48,12 +48,7 @@ def tree_queries(q, k_pool, v_pool, block_tables, seq_lens, query_tiles, draft_m
     # Lengths past the table's capacity are clamped: never read outside the table.
     table_tokens = max_blocks * page_size
     row_end = tl.minimum(tl.load(seq_lens + row, mask=row_ok, other=0), table_tokens)
-    draft_start = row_end
-    draft_allowed = tl.zeros_like(row_end).to(tl.int64)
-    if DRAFT:
-        mask = draft_masks + row.to(tl.int64) * 2
-        draft_start = row_end - tl.load(mask, mask=row_ok, other=0).to(tl.int32)
-        draft_allowed = tl.load(mask + 1, mask=row_ok, other=0)
+    draft_start, draft_allowed = draft_window(draft_masks, row, row_ok, row_end, DRAFT)
     longest = first + tl.argmax(tl.where(row_ok, row_end, -1), 0) // group
     table = block_tables + longest.to(tl.int64) * max_blocks
     m_i, l_i, acc = attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads,

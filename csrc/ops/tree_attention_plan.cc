@@ -254,6 +254,17 @@ LaunchArg TreeAttentionPlan::region_arg(const char* name, Region r) const {
   return LaunchArg::Workspace(name, int64_t(regions_[int(r)].offset));
 }
 
+// The scalars every tree kernel takes after its pointers (specializations._TREE_SCALARS), then
+// `more`, the kernel's own.
+void TreeAttentionPlan::add_tree_scalars(std::vector<LaunchArg>* args, std::initializer_list<LaunchArg> more) const {
+  args->insert(args->end(), {LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
+                             LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
+                             LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
+                             LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
+                             LaunchArg::Value("max_blocks", Arg::Int(max_blocks_))});
+  args->insert(args->end(), more);
+}
+
 Status TreeAttentionPlan::build_launches() {
   if (!num_branches()) return Status::Ok();
   Status st = add_partial_launches();
@@ -282,14 +293,9 @@ Status TreeAttentionPlan::add_partial_launches() {
                           work_list("items", kFirstItems + i),
                           work_list("entry_slot", kEntrySlot),
                           region_arg("partial_out", Region::kPartialOut),
-                          region_arg("partial_lse", Region::kPartialLse),
-                          LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
-                          LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
-                          LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
-                          LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
-                          LaunchArg::Value("max_blocks", Arg::Int(max_blocks_)),
-                          LaunchArg::Value("early_final", Arg::Int(plan_.early_final)),
-                          LaunchArg::Value("heads_first", Arg::Int(items.heads_first))};
+                          region_arg("partial_lse", Region::kPartialLse)};
+    add_tree_scalars(&launch.launch.args, {LaunchArg::Value("early_final", Arg::Int(plan_.early_final)),
+                                           LaunchArg::Value("heads_first", Arg::Int(items.heads_first))});
     launches_.push_back(std::move(launch));
   }
   return Status::Ok();
@@ -347,15 +353,10 @@ Status TreeAttentionPlan::add_last_launch() {
                           region_arg("draft_masks", Region::kDraftMasks),
                           region_arg("partial_out", Region::kPartialOut),
                           region_arg("partial_lse", Region::kPartialLse),
-                          call(3),
-                          LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
-                          LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
-                          LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
-                          LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
-                          LaunchArg::Value("max_blocks", Arg::Int(max_blocks_)),
-                          LaunchArg::Value("num_rows", Arg::Int(n)),
-                          LaunchArg::Value("lanes", Arg::Int(lanes)),
-                          LaunchArg::Value("heads_first", Arg::Int(plan_.final_heads_first))};
+                          call(3)};
+    add_tree_scalars(&launch.launch.args,
+                     {LaunchArg::Value("num_rows", Arg::Int(n)), LaunchArg::Value("lanes", Arg::Int(lanes)),
+                      LaunchArg::Value("heads_first", Arg::Int(plan_.final_heads_first))});
   }
   if (st.ok()) launches_.push_back(std::move(launch));
   return st;
@@ -378,12 +379,8 @@ Status TreeAttentionPlan::add_query_tile_launch() {
                         region_arg("seq_lens", Region::kLengths),
                         work_list("query_tiles", kQueryTiles),
                         region_arg("draft_masks", Region::kDraftMasks),
-                        call(3),
-                        LaunchArg::Value("sm_scale_log2", Arg::Float(shape_.scale_log2())),
-                        LaunchArg::Value("num_qo_heads", Arg::Int(shape_.num_qo_heads)),
-                        LaunchArg::Value("num_kv_heads", Arg::Int(shape_.num_kv_heads)),
-                        LaunchArg::Value("page_size", Arg::Int(shape_.block_size)),
-                        LaunchArg::Value("max_blocks", Arg::Int(max_blocks_))};
+                        call(3)};
+  add_tree_scalars(&launch.launch.args);
   launches_.push_back(std::move(launch));
   return Status::Ok();
 }
