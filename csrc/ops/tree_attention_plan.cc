@@ -254,6 +254,13 @@ LaunchArg TreeAttentionPlan::region_arg(const char* name, Region r) const {
   return LaunchArg::Workspace(name, int64_t(regions_[int(r)].offset));
 }
 
+// The pointers every tree kernel takes first (specializations._TREE_PAGED); the pools as
+// [pool_rows, pool_cols] views where a kernel may read them through TMA descriptors.
+std::vector<LaunchArg> TreeAttentionPlan::paged_args(int64_t pool_rows, int64_t pool_cols) const {
+  return {call(0), call(1, pool_rows, pool_cols), call(2, pool_rows, pool_cols),
+          region_arg("block_tables", Region::kTables), region_arg("seq_lens", Region::kLengths)};
+}
+
 // The scalars every tree kernel takes after its pointers (specializations._TREE_SCALARS), then
 // `more`, the kernel's own.
 void TreeAttentionPlan::add_tree_scalars(std::vector<LaunchArg>* args, std::initializer_list<LaunchArg> more) const {
@@ -284,16 +291,11 @@ Status TreeAttentionPlan::add_partial_launches() {
         pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, key, shape_.block_size, slot_runs_[i]),
                     longest_item(items), grid[0], grid[1], grid[2], &launch);
     if (!st.ok()) return st;
-    launch.launch.args = {call(0),
-                          call(1, slots, row),
-                          call(2, slots, row),
-                          region_arg("block_tables", Region::kTables),
-                          region_arg("seq_lens", Region::kLengths),
-                          work_list("order", kOrder),
-                          work_list("items", kFirstItems + i),
-                          work_list("entry_slot", kEntrySlot),
-                          region_arg("partial_out", Region::kPartialOut),
-                          region_arg("partial_lse", Region::kPartialLse)};
+    launch.launch.args = paged_args(slots, row);
+    launch.launch.args.insert(
+        launch.launch.args.end(),
+        {work_list("order", kOrder), work_list("items", kFirstItems + i), work_list("entry_slot", kEntrySlot),
+         region_arg("partial_out", Region::kPartialOut), region_arg("partial_lse", Region::kPartialLse)});
     add_tree_scalars(&launch.launch.args, {LaunchArg::Value("early_final", Arg::Int(plan_.early_final)),
                                            LaunchArg::Value("heads_first", Arg::Int(items.heads_first))});
     launches_.push_back(std::move(launch));
@@ -341,19 +343,12 @@ Status TreeAttentionPlan::add_last_launch() {
     st = pick_launch(*ctx_, plan_shape_.num_sms,
                      addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest * lanes,
                      grid[0], grid[1], grid[2], &launch);
-    launch.launch.args = {call(0),
-                          call(1),
-                          call(2),
-                          region_arg("block_tables", Region::kTables),
-                          region_arg("seq_lens", Region::kLengths),
-                          work_list("order", kOrder),
-                          work_list("final_start", kFinalStart),
-                          work_list("merge_ptr", kMergePtr),
-                          work_list("common", kCommon),
-                          region_arg("draft_masks", Region::kDraftMasks),
-                          region_arg("partial_out", Region::kPartialOut),
-                          region_arg("partial_lse", Region::kPartialLse),
-                          call(3)};
+    launch.launch.args = paged_args();
+    launch.launch.args.insert(
+        launch.launch.args.end(),
+        {work_list("order", kOrder), work_list("final_start", kFinalStart), work_list("merge_ptr", kMergePtr),
+         work_list("common", kCommon), region_arg("draft_masks", Region::kDraftMasks),
+         region_arg("partial_out", Region::kPartialOut), region_arg("partial_lse", Region::kPartialLse), call(3)});
     add_tree_scalars(&launch.launch.args,
                      {LaunchArg::Value("num_rows", Arg::Int(n)), LaunchArg::Value("lanes", Arg::Int(lanes)),
                       LaunchArg::Value("heads_first", Arg::Int(plan_.final_heads_first))});
@@ -372,14 +367,9 @@ Status TreeAttentionPlan::add_query_tile_launch() {
                           addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest, count,
                           shape_.num_kv_heads, 1, &launch);
   if (!st.ok()) return st;
-  launch.launch.args = {call(0),
-                        call(1),
-                        call(2),
-                        region_arg("block_tables", Region::kTables),
-                        region_arg("seq_lens", Region::kLengths),
-                        work_list("query_tiles", kQueryTiles),
-                        region_arg("draft_masks", Region::kDraftMasks),
-                        call(3)};
+  launch.launch.args = paged_args();
+  launch.launch.args.insert(launch.launch.args.end(), {work_list("query_tiles", kQueryTiles),
+                                                       region_arg("draft_masks", Region::kDraftMasks), call(3)});
   add_tree_scalars(&launch.launch.args);
   launches_.push_back(std::move(launch));
   return Status::Ok();
