@@ -213,11 +213,7 @@ Status TreeAttentionPlan::take_tables(const TreeInput& input, int64_t extra_bloc
   return Status::Ok();
 }
 
-int64_t TreeAttentionPlan::unique_tokens() const {
-  int64_t total = 0;
-  for (int64_t v = 0; v < tree_.num_nodes(); ++v) total += tree_.node_end[v] - tree_.node_start[v];
-  return total;
-}
+int64_t TreeAttentionPlan::unique_tokens() const { return tree_.unique_tokens(); }
 
 int64_t TreeAttentionPlan::logical_tokens() const {
   int64_t total = 0;

@@ -291,10 +291,8 @@ double query_tiles_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
   int64_t longest = 0, tiles = int64_t(p.query_tiles.size() / kQueryTileFields.size());
   for (size_t i = 0; i < p.query_tiles.size(); i += kQueryTileFields.size())
     longest = std::max(longest, query_tile_walk(t, &p.query_tiles[i]));
-  int64_t unique = 0;
-  for (int64_t v = 0; v < t.num_nodes(); ++v) unique += t.node_end[v] - t.node_start[v];
   return launch_us(partial_steps(ceil_div(longest, kChunkAlign), tiles * shape.num_kv_heads, true, shape),
-                   double(unique) * double(shape.kv_bytes_per_token()));
+                   double(t.unique_tokens()) * double(shape.kv_bytes_per_token()));
 }
 
 // Whether a flat plan could beat `estimate`: it reads every branch's whole path, in one launch

@@ -26,6 +26,11 @@ struct SegmentTree {
     for (int64_t length : lengths) total += length;
     return total;
   }
+  int64_t unique_tokens() const {  // the nodes' lengths summed: each shared token once
+    int64_t total = 0;
+    for (int64_t v = 0; v < num_nodes(); ++v) total += node_end[v] - node_start[v];
+    return total;
+  }
 };
 
 // kInvalidArgument naming the first broken invariant of `tree` (array sizes, pre-order parents

@@ -129,14 +129,14 @@ class TreeAttentionPlan:
         self.mask = None if masks is None else [masks.get(i) for i in range(len(self.q_lens))]
         #: Each row's draft mask (int64 [num_rows, 2]: draft tokens, allowed bits), or None.
         self.draft_masks = None if masks is None else draft_masks(masks, self.q_lens)
-        # Query tiles group a branch's queries (rows of one sequence, consecutive).
-        sequence = None if q_lens is None else \
-            np.repeat(np.arange(len(self.q_lens), dtype=np.int32), self.q_lens)
+        # Each query row's branch (query tiles group a branch's rows) and length offset.
+        rows = None if q_lens is None else query_rows(self.q_lens, 1, masked)
         self._core = _core.TreePlan(self._context, self._shape(), tree, tables, headroom,
-                                    options.core(), self.num_sms, self.draft_masks, sequence)
+                                    options.core(), self.num_sms, self.draft_masks,
+                                    None if rows is None else rows[0].astype(np.int32))
         self._make_workspace(device)
-        self._query_rows = None if q_lens is None else \
-            _device_query_rows(self.q_lens, masked, self.draft_masks, device)
+        self._query_rows = None if rows is None else \
+            _device_query_rows(*rows, self.draft_masks, device)
         if q_lens is not None:
             self.refresh()
         if log.enabled():
@@ -303,12 +303,11 @@ def _context_for(device: torch.device, options: planner.PlanOptions):
     return runtime.host_context(options.arch, options.num_sms or _core.HOST_ONLY_SMS)
 
 
-def _device_query_rows(q_lens: np.ndarray, masked: np.ndarray | None,
-                       drafts: np.ndarray | None, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """``segment_tree.query_rows`` on the plan's device, each row's draft tokens included
+def _device_query_rows(branch: np.ndarray, offset: np.ndarray, drafts: np.ndarray | None,
+                       device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``segment_tree.query_rows``' rows on the plan's device, each row's draft tokens included
     (a masked branch's row ends at the last new token its mask allows): what ``refresh``
     gathers each query row's table and length with (no host round trip)."""
-    branch, offset = query_rows(q_lens, 1, masked)
     if drafts is not None:
         offset = offset + drafts[:, 0]
     return (runtime.upload(branch, device), runtime.upload(offset.astype(np.int32), device))
