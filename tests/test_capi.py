@@ -876,6 +876,45 @@ def test_fake_driver_plan_update(fake_libcuda):
         assert out[key][0] == FR_INVALID_ARGUMENT and fragment in out[key][1], (key, out[key])
 
 
+def lane_problem() -> Problem:
+    """256 branches of 272 tokens (a 256-token root, 16 own tokens), 4 queries each as the C ABI
+    takes them (a row per query with its branch's table and causal length): at GQA group 4 they
+    fill 64 query tiles of 4 lanes that share the root."""
+    branches = shared_root(256, root=256, leaf=16)
+    rows = np.repeat(np.arange(256), 4)
+    lengths = branches.lengths[rows] - 3 + np.tile(np.arange(4), 256)
+    return Problem(lengths.astype(np.int32), branches.tables[rows])
+
+
+def test_fake_driver_lane_plan_update(fake_libcuda):
+    """A plan of query tiles with lanes refuses an update where a lane stops holding the blocks
+    the tile reads once for all lanes, or a lane's rows stop listing the same blocks; it takes
+    the lanes' growth."""
+    out = in_fresh_interpreter("""
+        from test_capi import lane_problem, kernel_names
+        box = api.out("frContext")
+        api.lib.frContextCreate(root, 0, box)
+        status, message, plan = api.plan(box[0], lane_problem())
+        out["create"] = [status, message, kernel_names(api, plan)]
+        def update(row, column):
+            problem = lane_problem()
+            problem.lengths += 1  # one token more: column 17, each branch's own
+            problem.tables[row, column] = 4000
+            return api.call("frPlanUpdate", plan, problem.tree_c(api), api.ffi.NULL)
+        out["shared_block"] = update(4, 0)  # lane 2's first row: a root block
+        out["lane_block"] = update(5, 16)   # lane 2's second row: an own block
+        out["grew"] = update(0, 18)         # a column past every row's length
+    """, libcuda=fake_libcuda)
+    status, message, kernels = out["create"]
+    assert status == FR_OK and "_lanes1_" in kernels[0], (message, kernels)
+    assert out["shared_block"][0] == FR_PLAN_MISMATCH
+    assert ("branch 4 no longer holds the blocks of branch 0 for its first 256 tokens, which its "
+            "query tile reads once for both") in out["shared_block"][1]
+    assert out["lane_block"][0] == FR_PLAN_MISMATCH
+    assert "branch 5 no longer lists the blocks of branch 4" in out["lane_block"][1]
+    assert out["grew"] == [FR_OK, ""]
+
+
 def test_fake_driver_allocator_steps_keep_the_plan(fake_libcuda):
     """The allocator's decode steps are what frPlanUpdate accepts: leaves grow, new blocks."""
     out = in_fresh_interpreter("""

@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,7 +12,7 @@ from flash_reasoning import PhysicalKVAllocator, _core, dispatch, planner
 from flash_reasoning.segment_tree import SegmentTree
 from flash_reasoning.specializations import COMMON_FIELDS, QUERY_TILE_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
-from flash_reasoning.tools.synthetic import random_branches
+from flash_reasoning.tools.synthetic import random_branches, random_kv
 
 H100 = dict(num_sms=132, dtype_bytes=2)
 
@@ -412,17 +413,46 @@ def test_a_plan_without_partials_runs_as_a_paged_decode():
     assert not plan_for(alloc, shared, 32, flat=False)[1].as_paged_decode
 
 
+def forked_sequences(alloc, forks, new_tokens):
+    """A 96-token root and a branch forked from it at each of ``forks`` (in order), each then
+    holding ``new_tokens`` tokens of its own, all written (a fork inside a block copies it)."""
+    gen = torch.Generator().manual_seed(0)
+    root = alloc.alloc_branch(0).branch_id
+    alloc.write(root, 0, *random_kv(alloc, gen, 96))
+    ids = [alloc.alloc_branch(at, root, at).branch_id for at in forks]
+    alloc.append(alloc.reserve(ids, new_tokens), 0, *random_kv(alloc, gen, len(ids) * new_tokens))
+    return ids
+
+
+def test_query_tiles_pack_short_sequences_as_lanes():
+    """Consecutive sequences of the same query count, two or more to a tile, share tiles as
+    lanes (at most kQueryTileMaxLanes, 4; as few tiles as they fill, as even as they come): 12
+    sequences of 2 queries take 3 tiles of 4 lanes. A tile's shared tokens are those
+    all its lanes read from the same slots: up to the fork, or up to the block a fork inside a
+    block copied. A lone sequence of its count is a tile of one lane."""
+    alloc = PhysicalKVAllocator(64, 16, 2, 64, device="cpu")
+    ids = forked_sequences(alloc, [96] * 6 + [90] * 6 + [96, 96], 20)
+    q_lens = [2] * 12 + [3, 2]
+    shape = planner.Shape(8, 2, 64, **H100)  # group 4: 16 queries a tile
+    rows = np.repeat(np.arange(len(ids), dtype=np.int32), q_lens)
+    tiles = planner.plan(alloc.segment_tree(ids, q_lens), shape,
+                         planner.PlanOptions(query_tiles=True), rows).query_tiles
+    assert tiles.tolist() == [[0, 8, 2, 96], [8, 8, 2, 80], [16, 8, 2, 80],
+                              [24, 3, 3, 2**31 - 1], [27, 2, 2, 2**31 - 1]]
+
+
 def test_query_tiles_cut_each_sequence_evenly():
     """Rows of one sequence (consecutive) cut into the fewest tiles of at most the tile's
-    queries (64 rows over the group), as even as they come; the plan is then flat, with no
-    partials and each row's range its whole sequence. Rows of no sequence: no tiles."""
+    queries (64 rows over the group), as even as they come, unless sequences of its length
+    pack a tile (test_query_tiles_pack_short_sequences_as_lanes); the plan is then flat, with
+    no partials and each row's range its whole sequence. Rows of no sequence: no tiles."""
     alloc = PhysicalKVAllocator(200, 16, 2, 64, device="cpu")
     ids = [alloc.alloc_branch(100).branch_id for _ in range(4)]
     tree = alloc.segment_tree(ids)
     shape = planner.Shape(8, 2, 64, **H100)  # group 4: 16 queries a tile
     sequence = np.array([0, 0, 1, 1], np.int32)
     tiles = planner.plan(tree, shape, planner.PlanOptions(query_tiles=True), sequence)
-    assert tiles.query_tiles.tolist() == [[0, 2], [2, 2]]
+    assert tiles.query_tiles.tolist() == [[0, 4, 2, 0]]  # two lanes, no tokens in common
     assert tiles.num_entries == 0 and (tiles.final_start == 0).all() and not tiles.items
     assert planner.plan(tree, shape, planner.PlanOptions(query_tiles=True)).query_tiles.size == 0
     rows = np.repeat(np.arange(4, dtype=np.int32), [17, 16, 1, 40])
@@ -430,10 +460,12 @@ def test_query_tiles_cut_each_sequence_evenly():
     keys = np.stack([rows, np.full(rows.size, -1, np.int32)], axis=1)
     many = SegmentTree.from_keys(rows, lengths, np.array([0, 100]), keys)
     arrays = planner.plan(many, shape, planner.PlanOptions(query_tiles=True), rows)
-    assert arrays.query_tiles.tolist() == [[0, 9], [9, 8], [17, 16], [33, 1], [34, 14],
-                                           [48, 14], [62, 12]]
+    one_lane = 2**31 - 1  # a tile of one lane: all its tokens are the lanes' shared ones
+    assert arrays.query_tiles.tolist() == [
+        [0, 9, 9, one_lane], [9, 8, 8, one_lane], [17, 16, 16, one_lane], [33, 1, 1, one_lane],
+        [34, 14, 14, one_lane], [48, 14, 14, one_lane], [62, 12, 12, one_lane]]
     # By default: full tiles (48 rows of 64 on average), or half-full ones over short walks,
-    # with a program per SM.
+    # with a program per SM; tiles with lanes only full ones over short walks.
     many_sms = dataclasses.replace(shape, num_sms=8)
     def sequences(queries, length):  # 4 sequences of `queries` rows, each `length` tokens
         rows = np.repeat(np.arange(4, dtype=np.int32), queries)
@@ -441,11 +473,19 @@ def test_query_tiles_cut_each_sequence_evenly():
         return SegmentTree.from_keys(rows, np.full(rows.size, length), np.array([0, length]),
                                      keys), rows
 
-    for queries, length, expected in ((12, 2000, True), (8, 2000, False), (8, 1000, True),
-                                      (4, 1000, False)):
+    for queries, length, expected in ((12, 2000, True), (10, 2000, False), (10, 1000, True),
+                                      (4, 1000, False)):  # 4: 4 lanes in 1 tile, 2 programs
         tree, rows = sequences(queries, length)
         arrays = planner.plan(tree, many_sms, planner.PlanOptions(), rows)
         assert (arrays.query_tiles.size > 0) == expected, (queries, length)
+    lanes_sms = dataclasses.replace(shape, num_sms=4)
+    # 2 tiles of 2 lanes (4 programs) walking 2 x length tokens (nothing shared); 5 queries: 40
+    # rows a tile.
+    for queries, length, expected in ((8, 500, True), (8, 1100, False), (5, 500, False)):
+        tree, rows = sequences(queries, length)
+        arrays = planner.plan(tree, lanes_sms, planner.PlanOptions(), rows)
+        lanes = arrays.query_tiles[:, 2] < arrays.query_tiles[:, 1]
+        assert lanes.size == 2 * expected and lanes.all(), (queries, length)
     few_programs = dataclasses.replace(shape, num_sms=9)  # 4 tiles x 2 KV heads
     tree, rows = sequences(12, 2000)
     assert planner.plan(tree, few_programs, planner.PlanOptions(), rows).query_tiles.size == 0

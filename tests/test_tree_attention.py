@@ -713,6 +713,32 @@ def test_query_tiles_interpreted(dtype, heads, masked):
 
 
 @interpreter
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2), (14, 2)])  # groups 1, 4, 7
+@pytest.mark.parametrize("masked", [False, True])
+def test_query_tile_lanes_interpreted(heads, masked):
+    """Short sequences packed as a tile's lanes: the tokens the lanes read from the same slots
+    once for all rows, then each lane's own tokens for its rows only, each row to its causal
+    end or mask. A random tree (forks inside blocks among them); each row's table holds only
+    its own blocks, as a C ABI plan's."""
+    alloc, ids = forest("cpu", num_kv_heads=heads[1], tokens=120, seed=heads[0], branches=12)
+    q_lens = [min(3, n) for n in alloc.lengths(ids)]
+    q_lens[5] = min(2, q_lens[5])  # a different count ends a run of lanes
+    mask = random_masks(q_lens, heads[0]) if masked else None
+    q = queries(alloc, ids, heads[0], rows=sum(q_lens))
+    plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask,
+                             _options=PlanOptions(num_sms=4, arch="sm90", query_tiles=True))
+    plan.refresh()
+    own_blocks = -(-plan.lengths.long() // alloc.block_size)
+    plan.tables[torch.arange(plan.tables.shape[1]) >= own_blocks[:, None]] = 0
+    tiles = plan.arrays.query_tiles
+    assert (tiles[:, 1] > tiles[:, 2]).any() and (tiles[:, 3] > 0).any()  # lanes, shared tokens
+    out = poisoned_like(q)
+    from aot.interpret import run_interpreted
+    run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
+    check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+
+
+@interpreter
 def test_query_tiles_follow_growth_interpreted():
     """A held query-tile plan reads each branch's last q_lens tokens as the branches grow
     (its rows' lengths refreshed on the device, its tiles' tables the branches')."""
@@ -724,7 +750,7 @@ def test_query_tiles_follow_growth_interpreted():
         alloc.append(alloc.reserve(ids, 20), 0, *random_kv(alloc, gen, 20 * len(ids)))
         plan = plan or TreeAttentionPlan(alloc, ids, 8, q_lens=[20] * len(ids),
                                          _options=PlanOptions(arch="sm90", num_sms=4))
-        assert plan.arrays.query_tiles.shape == (len(ids) * 2, 2)  # 20 queries: 2 tiles of 10
+        assert plan.arrays.query_tiles.shape == (len(ids) * 2, 4)  # 20 queries: 2 tiles of 10
         plan.refresh()
         q = queries(alloc, ids, 8, seed=step, rows=20 * len(ids))
         out = poisoned_like(q)
@@ -734,7 +760,8 @@ def test_query_tiles_follow_growth_interpreted():
 
 def test_query_tiles_are_chosen_where_they_fill_the_tile():
     """Query tiles where a tile holds 32 rows on average (planner.h's kQueryTileMinRows), a
-    tree plan below, or where a tree plan's choice is forced; never for one query a branch."""
+    tree plan below, or where a tree plan's choice is forced; never for one query a branch.
+    Tiles with lanes (branches of the same few queries) only where they are full."""
     alloc, ids = forest("cpu", num_kv_heads=2, seed=14, tokens=60)
     alloc.append(alloc.reserve(ids, 16), 0, *random_kv(alloc, torch.Generator(), 16 * len(ids)))
 
@@ -743,9 +770,12 @@ def test_query_tiles_are_chosen_where_they_fill_the_tile():
                                  _options=PlanOptions(**options))
         return plan.arrays.query_tiles.shape[0]
 
-    assert tiles([8] * len(ids), 8) == len(ids)       # 8 queries x 4 heads: 32 rows a tile
-    assert tiles([4] * len(ids), 8) == 0              # 16 rows
-    assert tiles([4] * len(ids), 8, query_tiles=True) == len(ids)
+    n = len(ids)
+    assert tiles([8, 9] * (n // 2), 8) == n           # 8-9 queries x 4 heads: 32-36 rows a tile
+    assert tiles([4, 5] * (n // 2), 8) == 0           # 16-20 rows
+    assert tiles([4, 5] * (n // 2), 8, query_tiles=True) == n
+    assert tiles([4] * n, 8) == n // 4                # lanes: 4 branches of 4 queries a full tile
+    assert tiles([2] * n, 8) == 0                     # 4 lanes of 2 queries: half full
     assert tiles([16] * len(ids), 8, flat=False) == 0
     assert tiles([16] * len(ids), 8, query_tiles=False) == 0
     assert tiles(None, 8, query_tiles=True) == 0      # decode rows name no sequences
@@ -1078,7 +1108,8 @@ def test_gpu_random_trees(branches, depth, tokens, group, head_dim, dtype, seed)
        group=st.sampled_from([1, 4, 8, 16]), head_dim=st.sampled_from([64, 128, 256]),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
 def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype, seed):
-    """Causal queries under the planner's choices, then the same queries under draft masks."""
+    """Causal queries under the planner's choices, then the same queries under draft masks;
+    then 1-4 queries a branch as query tiles (lanes where branches have the same count)."""
     alloc, ids = gpu_forest(branches, depth, tokens, head_dim, dtype, seed)
     q_lens = random_q_lens(alloc, ids, seed)
     q = queries(alloc, ids, group * alloc.num_kv_heads, seed, rows=sum(q_lens))
@@ -1093,6 +1124,12 @@ def test_gpu_q_lens_random_trees(branches, depth, tokens, group, head_dim, dtype
         plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask,
                                  _options=PlanOptions(query_tiles=tiles))
         check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=q_lens, mask=mask)
+    short = [min(1 + seed % 4, n) for n in alloc.lengths(ids)]  # lanes: the same few queries
+    q = queries(alloc, ids, group * alloc.num_kv_heads, seed, rows=sum(short))
+    for mask in (None, random_masks(short, seed)):
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=short, mask=mask,
+                                 _options=PlanOptions(query_tiles=True))
+        check(plan.run(q, 0, poisoned_like(q)), q, alloc, ids, q_lens=short, mask=mask)
 
 
 @gpu

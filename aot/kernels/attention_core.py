@@ -99,23 +99,33 @@ def attend(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_
 def attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, page_size,
                 row_ok, row_end, draft_start, draft_allowed, sm_scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                DRAFT: tl.constexpr):
+                DRAFT: tl.constexpr, LANE: tl.constexpr = False, state=None, walks=None,
+                start=0):
     """:func:`attend` of a tile whose rows read one paged sequence from its first token, each
     row ``r`` up to its own ``row_end[r]`` (where ``row_ok``; a tile of several queries: causal
     ends), with ``DRAFT`` its tokens from ``draft_start[r]`` where ``draft_allowed[r]`` allows.
     The whole KV tiles every row reads run unmasked; the rest, each row masked at its own end
     (a token one row reads is loaded for all: 0 x a NaN there reaches the others). Rows may be
-    left empty (-inf, 0, 0)."""
+    left empty (-inf, 0, 0).
+
+    ``LANE``: only the rows that ``walks`` (one lane of several in the tile) read, tokens
+    [start, row_end[r]), continuing the online-softmax ``state`` (m_i, l_i, acc); every KV tile
+    is masked (the other lanes' rows read none of it)."""
     offs = tl.arange(0, BLOCK_N)
-    end = tl.max(tl.where(row_ok, row_end, 0), 0)
-    clear = row_end
-    if DRAFT:
-        clear = tl.minimum(clear, draft_start)
-    clear = tl.minimum(tl.min(tl.where(row_ok, clear, table_tokens), 0), end)
-    clear = clear // BLOCK_N * BLOCK_N
-    m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
-    page = tl.load(table + offs // page_size, mask=offs < end, other=0)  # one step ahead (attend)
-    for n0 in tl.range(0, clear, BLOCK_N):
+    if LANE:
+        m_i, l_i, acc = state
+        end = tl.max(tl.where(walks, row_end, start), 0)
+        clear = start
+    else:
+        m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
+        end = tl.max(tl.where(row_ok, row_end, 0), 0)
+        clear = row_end
+        if DRAFT:
+            clear = tl.minimum(clear, draft_start)
+        clear = tl.minimum(tl.min(tl.where(row_ok, clear, table_tokens), 0), end)
+        clear = clear // BLOCK_N * BLOCK_N
+    page = tl.load(table + (start + offs) // page_size, mask=start + offs < end, other=0)
+    for n0 in tl.range(start, clear, BLOCK_N):  # one step ahead (attend)
         n = n0 + offs
         k, v, page = load_paged_kv(k_pool, v_pool, table, page, n, n, end, kv_head,
                                    num_kv_heads, page_size, HEAD_DIM, BLOCK_N, False)
@@ -126,6 +136,8 @@ def attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, 
         k, v, page = load_paged_kv(k_pool, v_pool, table, page, n, n < end, end, kv_head,
                                    num_kv_heads, page_size, HEAD_DIM, BLOCK_N, True)
         seen = n[None, :] < row_end[:, None]
+        if LANE:
+            seen = seen & walks[:, None]
         if DRAFT:
             seen = seen & draft_allows(n[None, :], draft_start[:, None], draft_allowed[:, None])
         s = tl.where(seen, tl.dot(qt, tl.trans(k)) * sm_scale_log2, float("-inf"))

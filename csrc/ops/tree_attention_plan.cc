@@ -80,6 +80,13 @@ bool same_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, 
   return std::equal(tree.tables + a * tree.stride, tree.tables + a * tree.stride + cols, tree.tables + b * tree.stride);
 }
 
+// Whether rows a and b of `tree` both hold `tokens` tokens and list the same blocks for them.
+bool same_first_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, int64_t b, int64_t tokens) {
+  if (tree.lengths[a] < tokens || tree.lengths[b] < tokens) return false;
+  int64_t cols = ceil_div(tokens, shape.block_size);
+  return std::equal(tree.tables + a * tree.stride, tree.tables + a * tree.stride + cols, tree.tables + b * tree.stride);
+}
+
 // Each row's sequence for query tiles: consecutive rows listing the same blocks (the C ABI's
 // several queries of a branch, each a row with the branch's table) are one sequence.
 std::vector<int32_t> sequences_from_tables(const AttentionShape& shape, const TreeInput& tree) {
@@ -357,7 +364,8 @@ Status TreeAttentionPlan::add_last_launch() {
 Status TreeAttentionPlan::add_query_tile_launch() {
   int64_t count = int64_t(plan_.query_tiles.size() / kQueryTileFields.size());
   int64_t longest = *std::max_element(lengths_.begin(), lengths_.end());
-  std::string kernel = drafts_.empty() ? "tree_queries/" : "tree_queries_draft/";
+  std::string kernel = std::string("tree_queries") + (query_tiles_have_lanes(plan_.query_tiles) ? "_lanes" : "") +
+                       (drafts_.empty() ? "/" : "_draft/");
   OpLaunch launch;
   Status st = pick_launch(*ctx_, plan_shape_.num_sms,
                           addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest, count,
@@ -432,15 +440,29 @@ Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_
                         std::to_string(tables_[b * max_blocks_ + j]) + " -> " +
                         std::to_string(tree.tables[b * tree.stride + j]) + "), inside a range the plan shares");
   }
-  // A query tile reads all its rows through its longest row's table: they must list the same blocks.
   const std::vector<int32_t>& tiles = plan_.query_tiles;
   for (size_t t = 0; t < tiles.size(); t += kQueryTileFields.size())
-    for (int64_t row = tiles[t] + 1; row < tiles[t] + tiles[t + 1]; ++row)
-      if (!same_blocks(shape_, tree, tiles[t], row))
-        return mismatch("branch " + std::to_string(row) + " no longer lists the blocks of branch " +
-                        std::to_string(tiles[t]) + ", which its query tile reads as one sequence");
+    if (!(st = check_query_tile(tree, &tiles[t])).ok()) return st;
   *tables = dense_tables(shape_, tree, max_blocks_);
   lengths->assign(tree.lengths, tree.lengths + tree.num_branches);
+  return Status::Ok();
+}
+
+// A query tile reads each lane's rows through the lane's longest row's table, the lanes' shared
+// tokens through the tile's longest row's: a lane's rows must list the same blocks, and every lane
+// the first row's blocks over the shared tokens.
+Status TreeAttentionPlan::check_query_tile(const TreeInput& tree, const int32_t* tile) const {
+  int64_t first = tile[0], rows = tile[1], lane_rows = tile[2], shared = tile[3];
+  for (int64_t row = first + 1; row < first + rows; ++row) {
+    int64_t lane_first = first + (row - first) / lane_rows * lane_rows;
+    if (row != lane_first && !same_blocks(shape_, tree, lane_first, row))
+      return mismatch("branch " + std::to_string(row) + " no longer lists the blocks of branch " +
+                      std::to_string(lane_first) + ", which its query tile reads as one sequence");
+    if (row == lane_first && !same_first_blocks(shape_, tree, first, row, shared))
+      return mismatch("branch " + std::to_string(row) + " no longer holds the blocks of branch " +
+                      std::to_string(first) + " for its first " + std::to_string(shared) +
+                      " tokens, which its query tile reads once for both");
+  }
   return Status::Ok();
 }
 

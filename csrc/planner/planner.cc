@@ -280,9 +280,13 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
   return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes);
 }
 
-// The tokens query tile `tile` (a record) walks: its longest row's.
+// The tokens query tile `tile` (a record) walks: its lanes' shared tokens once, then each lane's
+// own up to its longest row's length.
 int64_t query_tile_walk(const SegmentTree& t, const int32_t* tile) {
-  return *std::max_element(t.lengths.begin() + tile[0], t.lengths.begin() + tile[0] + tile[1]);
+  int64_t first = tile[0], rows = tile[1], lane_rows = tile[2], shared = tile[3], walk = shared;
+  for (int64_t lane = first; lane < first + rows; lane += lane_rows)
+    walk += *std::max_element(t.lengths.begin() + lane, t.lengths.begin() + lane + lane_rows) - shared;
+  return walk;
 }
 
 // A query-tile launch: its longest tile's walk (a wide tile's KV tiles) times its waves (kWaves
@@ -394,23 +398,84 @@ bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_
          launch_us(partial_steps(root_tiles, root_programs, wide_tile, shape), double(root_tokens) * bytes_per_token);
 }
 
-std::vector<int32_t> query_tile_records(int64_t rows, const int32_t* row_sequence, int64_t queries) {
-  std::vector<int32_t> records;
+namespace {
+
+// Rows first .. first + count - 1: one sequence's queries.
+struct SequenceRows {
+  int64_t first = 0, count = 0;
+};
+
+std::vector<SequenceRows> sequence_rows(int64_t rows, const int32_t* row_sequence) {
+  std::vector<SequenceRows> sequences;
   for (int64_t first = 0, last = 0; first < rows; first = last) {
     while (last < rows && row_sequence[last] == row_sequence[first]) ++last;
-    int64_t count = last - first, tiles = ceil_div(count, queries), per_tile = ceil_div(count, tiles);
-    for (int64_t at = first; at < last; at += per_tile)
-      records.insert(records.end(), {int32_t(at), int32_t(std::min(per_tile, last - at))});
+    sequences.push_back({first, last - first});
+  }
+  return sequences;
+}
+
+// The tokens rows a and b of `t` read from the same slots: the end of their paths' last common
+// node.
+int64_t common_tokens(const SegmentTree& t, int64_t a, int64_t b) {
+  const int64_t* path_a = t.path_nodes.data() + t.path_ptr[a];
+  const int64_t* path_b = t.path_nodes.data() + t.path_ptr[b];
+  int64_t depth = std::min(t.path_ptr[a + 1] - t.path_ptr[a], t.path_ptr[b + 1] - t.path_ptr[b]), shared = 0;
+  for (int64_t i = 0; i < depth && path_a[i] == path_b[i]; ++i) shared = t.node_end[path_a[i]];
+  return shared;
+}
+
+// One sequence's rows cut into the fewest tiles of at most `queries` rows, as even as they come.
+void add_sequence_tiles(const SequenceRows& seq, int64_t queries, std::vector<int32_t>* records) {
+  int64_t tiles = ceil_div(seq.count, queries), per_tile = ceil_div(seq.count, tiles);
+  for (int64_t at = seq.first; at < seq.first + seq.count; at += per_tile) {
+    int32_t rows = int32_t(std::min(per_tile, seq.first + seq.count - at));
+    records->insert(records->end(), {int32_t(at), rows, rows, kQueryTileAllShared});
+  }
+}
+
+// Sequences of `count` queries each packed `lanes` (at most) to a tile, as even as they come,
+// each tile's shared tokens those all its lanes read from the same slots.
+void add_lane_tiles(const SegmentTree& t, const SequenceRows* seqs, int64_t n, int64_t lanes,
+                    std::vector<int32_t>* records) {
+  int64_t tiles = ceil_div(n, lanes), per_tile = ceil_div(n, tiles), count = seqs[0].count;
+  for (int64_t at = 0; at < n; at += per_tile) {
+    int64_t taken = std::min(per_tile, n - at), first = seqs[at].first, shared = t.lengths[first];
+    for (int64_t lane = 1; lane < taken; ++lane)
+      shared = std::min(shared, common_tokens(t, first, seqs[at + lane].first));
+    records->insert(records->end(), {int32_t(first), int32_t(taken * count), int32_t(count),
+                                     taken > 1 ? int32_t(shared) : kQueryTileAllShared});
+  }
+}
+
+}  // namespace
+
+std::vector<int32_t> query_tile_records(const SegmentTree& tree, const int32_t* row_sequence, int64_t queries) {
+  std::vector<SequenceRows> seqs = sequence_rows(tree.num_rows(), row_sequence);
+  std::vector<int32_t> records;
+  for (size_t s = 0, next = 0; s < seqs.size(); s = next) {
+    int64_t lanes = std::min(queries / seqs[s].count, kQueryTileMaxLanes);
+    for (next = s + 1; lanes >= 2 && next < seqs.size() && seqs[next].count == seqs[s].count;) ++next;
+    if (lanes >= 2)
+      add_lane_tiles(tree, &seqs[s], int64_t(next - s), lanes, &records);
+    else
+      add_sequence_tiles(seqs[s], queries, &records);
   }
   return records;
 }
 
-bool query_tiles_win(int64_t rows, int64_t tiles, int64_t mean_walk, const PlanShape& shape) {
+bool query_tiles_have_lanes(const std::vector<int32_t>& tiles) {
+  for (size_t t = 0; t < tiles.size(); t += kQueryTileFields.size())
+    if (tiles[t + 2] < tiles[t + 1]) return true;
+  return false;
+}
+
+bool query_tiles_win(int64_t rows, int64_t tiles, int64_t mean_walk, bool lanes, const PlanShape& shape) {
   if (tiles == 0 || double(tiles * shape.num_kv_heads) < kQueryTileMinProgramsPerSm * double(shape.num_sms))
     return false;
   int64_t tile_rows = rows * shape.group();
-  return tile_rows >= kQueryTileFullRows * tiles ||
-         (tile_rows >= kQueryTileMinRows * tiles && mean_walk <= kQueryTileShortWalk);
+  bool full = tile_rows >= kQueryTileFullRows * tiles, short_walks = mean_walk <= kQueryTileShortWalk;
+  if (lanes) return full && short_walks;
+  return full || (tile_rows >= kQueryTileMinRows * tiles && short_walks);
 }
 
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape) {
@@ -671,13 +736,14 @@ void prefer_one_tile(const SegmentTree& tree, const PlanShape& shape, const Plan
 bool plan_query_tiles(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options,
                       const int32_t* row_sequence, Plan* out) {
   if (!row_sequence || options.query_tiles == 0 || shape.query_tile_queries() == 0) return false;
-  std::vector<int32_t> tiles = query_tile_records(tree.num_rows(), row_sequence, shape.query_tile_queries());
+  std::vector<int32_t> tiles = query_tile_records(tree, row_sequence, shape.query_tile_queries());
   int64_t count = int64_t(tiles.size() / kQueryTileFields.size()), walked = 0;
   for (size_t i = 0; i < tiles.size(); i += kQueryTileFields.size()) walked += query_tile_walk(tree, &tiles[i]);
   bool tree_forced = options.flat >= 0 || options.separate_merge >= 0 || options.final_lanes || options.one_tile >= 0 ||
                      options.target_chunk;
   if (options.query_tiles != 1 &&
-      (tree_forced || !query_tiles_win(tree.num_rows(), count, walked / std::max<int64_t>(count, 1), shape)))
+      (tree_forced || !query_tiles_win(tree.num_rows(), count, walked / std::max<int64_t>(count, 1),
+                                       query_tiles_have_lanes(tiles), shape)))
     return false;
   Plan p;
   p.order.assign(tree.order.begin(), tree.order.end());

@@ -160,9 +160,12 @@ constexpr std::array<const char*, 9> kTreeItemFields = {
 constexpr std::array<const char*, 3> kCommonFields = {"lead_row", "start", "end"};
 
 // A query tile is an int32 record of these fields (Python's specializations.QUERY_TILE_FIELDS
-// must match: a test checks): rows first_row .. first_row + rows - 1, consecutive queries of one
-// sequence, read through the block table of the longest (rows list the same blocks).
-constexpr std::array<const char*, 2> kQueryTileFields = {"first_row", "rows"};
+// must match: a test checks): rows first_row .. first_row + rows - 1 in lanes of lane_rows
+// consecutive queries of one sequence, each lane read through the block table of its longest row
+// (a lane's rows list the same blocks), the first `shared` tokens, which every lane reads from the
+// same slots, once for all (kQueryTileAllShared in a tile of one lane: all its tokens).
+constexpr std::array<const char*, 4> kQueryTileFields = {"first_row", "rows", "lane_rows", "shared"};
+constexpr int32_t kQueryTileAllShared = INT32_MAX;
 
 // Query tiles: where the caller names each row's sequence (several queries of a branch, each a
 // row), a plan may run as one launch of tree_queries, one program per (tile, KV head), a tile's
@@ -180,9 +183,23 @@ constexpr std::array<const char*, 2> kQueryTileFields = {"first_row", "rows"};
 // queries x group 4 (full tiles) 0.98-1.01x on 2048-token paths, 2.1-2.9x on ~300-token ones;
 // at 8 (half full) 0.52-0.73x on 2048-token paths, 1.5-1.7x on the short ones; at 4 queries
 // 0.27-0.94x but on one tree (1.06x); 16 branches of full tiles (128 programs) 0.68-0.71x.
+//
+// Sequences too short to fill a tile share one as its lanes (query_tile_records(), at most
+// kQueryTileMaxLanes a tile), their shared tokens read once for all lanes' rows, each lane's own
+// tokens for its rows alone, one lane after another. A plan with lanes is taken only where its
+// tiles are full (kQueryTileFullRows) and its walks short (kQueryTileShortWalk): a tree plan reads
+// a long shared prefix once for every tile's rows, query tiles once per tile. H200, chains of 2-8
+// draft tokens on eight trees of the cases file (q32kv8, q32kv32, q16kv1) and extends of 2-8
+// tokens on 16-256 branches of a 2048-token prompt, planned both ways: lanes' speed over the tree
+// plan's 1.41-2.15x in full tiles of 2 or 4 lanes on ~300-token walks (ft_1,4,256, ft_1,256,
+// ft_deep16; ft_1,2,64 at 256 programs), 1.16x at 128 programs; 0.27-0.87x on 2048-token prompts
+// but on one tree (1.17x) and 1.38x on a 1400-token walk; 0.56-1.13x in half-full tiles (32 rows:
+// 8 queries of group 1, 2 of group 4); at 8 lanes or more (no cap) 0.76-0.90x on group 1 and 0.81x
+// on ft_deep16.
 constexpr double kQueryTileMinProgramsPerSm = 1.0;
 constexpr int64_t kQueryTileFullRows = 48;
 constexpr int64_t kQueryTileMinRows = 32;
+constexpr int64_t kQueryTileMaxLanes = 4;
 constexpr int64_t kQueryTileShortWalk = 1024;
 
 // What the planner needs to know about the attention call and the GPU.
@@ -389,14 +406,19 @@ bool final_starts_early(bool separate_merge);
 // over whole branches (H100: ft_1,4,256/q16kv1 14.6 -> 13.1 us,
 // ft_1,2,64/q16kv1 13.2 -> 11.0; flat_64x2048/q32kv32 713.2 -> 709.8, paged_decode's own launch).
 bool runs_as_paged_decode(bool separate_merge, int64_t num_entries, bool lanes_forced);
-// The query tiles of rows 0 .. rows - 1 whose sequences are `row_sequence` (rows of one sequence
-// consecutive): each sequence's rows cut into the fewest tiles of at most `queries` rows, as even
-// as they come.
-std::vector<int32_t> query_tile_records(int64_t rows, const int32_t* row_sequence, int64_t queries);
+// The query tiles of `tree`'s rows, whose sequences are `row_sequence` (rows of one sequence
+// consecutive), at most `queries` rows a tile: consecutive sequences of the same number of queries,
+// where two or more fit a tile, packed as its lanes (at most kQueryTileMaxLanes; as few tiles as
+// they fill, as even as they come), the tokens they read from the same slots the tile's shared ones; any other
+// sequence's rows cut into the fewest tiles of one lane, as even as they come.
+std::vector<int32_t> query_tile_records(const SegmentTree& tree, const int32_t* row_sequence, int64_t queries);
+// Whether some of these query tiles (records) hold several lanes: they run the lane kernels
+// (tree_queries with LANES; a tile of one lane walks faster without).
+bool query_tiles_have_lanes(const std::vector<int32_t>& tiles);
 // Whether a plan of `tiles` query tiles over `rows` rows, whose tiles walk `mean_walk` tokens on
-// average, runs as query tiles (kQueryTileMinProgramsPerSm, kQueryTileFullRows, kQueryTileMinRows,
-// kQueryTileShortWalk).
-bool query_tiles_win(int64_t rows, int64_t tiles, int64_t mean_walk, const PlanShape& shape);
+// average, some of them in lanes (`lanes`), runs as query tiles (kQueryTileMinProgramsPerSm,
+// kQueryTileFullRows, kQueryTileMinRows, kQueryTileShortWalk).
+bool query_tiles_win(int64_t rows, int64_t tiles, int64_t mean_walk, bool lanes, const PlanShape& shape);
 // The GPU time the launches of `plan` over `tree` should take, by the kLaunchUs model.
 double estimated_us(const Plan& plan, const SegmentTree& tree, const PlanShape& shape);
 

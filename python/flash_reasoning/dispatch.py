@@ -72,7 +72,9 @@ QUERY_TILE_BLOCK_M = TREE_BLOCK_MS[1]
 #: ``tree_final_common`` and ``tree_final_common_wide`` (packed programs that first walk the
 #: range their lanes share, ``PlanArrays.common``), each of these five as ``..._draft`` (its
 #: rows' draft tokens read as their draft masks allow), ``tree_queries`` and
-#: ``tree_queries_draft`` (query tiles: several queries of one sequence a program) and
+#: ``tree_queries_draft`` (query tiles: several queries of one sequence a program),
+#: ``tree_queries_lanes`` and ``tree_queries_lanes_draft`` (query tiles whose lanes are short
+#: sequences) and
 #: ``tree_partial`` (a list per query-row tile). A rule list (``tuning_table.Rules``) gives a
 #: config by the launch's programs per SM and the most tokens one program walks; the manifest
 #: exports the same lists.
@@ -81,10 +83,14 @@ _FINAL_KEYS = {"tree_final": {"PACKED": 0},
                "tree_final_packed_wide": {"PACKED": 1, "COMMON": 0, "BLOCK_M": FINAL_WIDE_BLOCK_M},
                "tree_final_common": {"PACKED": 1, "COMMON": 1, "BLOCK_M": BLOCK_M},
                "tree_final_common_wide": {"PACKED": 1, "COMMON": 1, "BLOCK_M": FINAL_WIDE_BLOCK_M}}
+_QUERY_KEYS = {"tree_queries": {"DRAFT": 0, "LANES": 0},
+               "tree_queries_draft": {"DRAFT": 1, "LANES": 0},
+               "tree_queries_lanes": {"DRAFT": 0, "LANES": 1},
+               "tree_queries_lanes_draft": {"DRAFT": 1, "LANES": 1}}
 RULE_LISTS = (("paged_decode", None), ("paged_decode_split", None)) + \
     tuple((kernel, None) for kernel in _FINAL_KEYS) + \
     tuple((f"{kernel}_draft", None) for kernel in _FINAL_KEYS) + \
-    (("tree_queries", None), ("tree_queries_draft", None)) + \
+    tuple((kernel, None) for kernel in _QUERY_KEYS) + \
     tuple(("tree_partial", block_m) for block_m in TREE_BLOCK_MS)
 #: The kernel family and the specialization keys each rule list's kernel stands for.
 RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
@@ -93,9 +99,8 @@ RULE_LIST_SPECS = {"paged_decode": ("paged_decode", {"SPLIT": 0}),
                       for kernel, key in _FINAL_KEYS.items()},
                    **{f"{kernel}_draft": ("tree_final", {**key, "DRAFT": 1})
                       for kernel, key in _FINAL_KEYS.items()},
-                   "tree_queries": ("tree_queries", {"DRAFT": 0, "BLOCK_M": QUERY_TILE_BLOCK_M}),
-                   "tree_queries_draft": ("tree_queries",
-                                          {"DRAFT": 1, "BLOCK_M": QUERY_TILE_BLOCK_M}),
+                   **{kernel: ("tree_queries", {**key, "BLOCK_M": QUERY_TILE_BLOCK_M})
+                      for kernel, key in _QUERY_KEYS.items()},
                    "tree_partial": ("tree_partial", {})}
 
 #: Heuristics where no tuning table was measured. Decode-tile configs for ranges of at most
@@ -144,9 +149,10 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
     x 2048 tokens 49.0 us, 57.6 at two), query tiles (``tree_queries``, the same rows) with
     :data:`QUERY_TILE_CONFIG`, head_dim 256 both with the wide tile's; sm89 has 99 KB of
     shared memory per block: one stage less. They pick by range alone (any program count)."""
-    if kernel == "tree_queries" and head_dim != 256:
+    queries = kernel.startswith("tree_queries")
+    if queries and head_dim != 256:
         return _any_launch(QUERY_TILE_CONFIG)
-    if (kernel == "tree_partial" and block_m != BLOCK_M) or kernel == "tree_queries":
+    if (kernel == "tree_partial" and block_m != BLOCK_M) or queries:
         if arch == "sm89":
             return _any_launch((64, 8, 1) if head_dim == 256 else (64, 4, 2))
         return _any_launch(HEAD_DIM_256_CONFIG if head_dim == 256 else (64, 4, 3))
@@ -416,16 +422,17 @@ def tree_final_spec(dtype: str, head_dim: int, arch: str, config: Config | None 
 
 @functools.lru_cache(maxsize=None)
 def tree_queries_spec(dtype: str, head_dim: int, arch: str, config: Config | None = None,
-                      page_size: int = 0, draft: bool = False) -> Spec:
+                      page_size: int = 0, draft: bool = False, lanes: bool = False) -> Spec:
     """Query tiles (several queries of one sequence a program, :data:`QUERY_TILE_BLOCK_M`
-    rows); ``draft``: the rows' draft tokens read as their draft masks allow."""
+    rows); ``draft``: the rows' draft tokens read as their draft masks allow; ``lanes``: tiles
+    whose lanes are short sequences."""
     check_dtype(dtype)
     check_head_dim(head_dim)
-    kernel = "tree_queries_draft" if draft else "tree_queries"
+    kernel = "tree_queries" + ("_lanes" if lanes else "") + ("_draft" if draft else "")
     block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(TREE_QUERIES, dtype, warps, stages, HEAD_DIM=head_dim,
                      BLOCK_M=QUERY_TILE_BLOCK_M, BLOCK_N=block_n, DRAFT=int(draft),
-                     PAGE=compiled_page(page_size))
+                     LANES=int(lanes), PAGE=compiled_page(page_size))
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,
@@ -439,7 +446,7 @@ def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Confi
         return tree_partial_spec(dtype, head_dim, block_m, arch, config, page_size, slot_runs)
     if kernel.startswith("tree_queries"):
         return tree_queries_spec(dtype, head_dim, arch, config, page_size,
-                                 kernel.endswith("_draft"))
+                                 kernel.endswith("_draft"), "_lanes" in kernel)
     if kernel.startswith("tree_final"):
         base = kernel.removesuffix("_draft")
         return tree_final_spec(dtype, head_dim, arch, config, base != "tree_final", page_size,

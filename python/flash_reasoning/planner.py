@@ -114,12 +114,13 @@ class PlanArrays:
     tables (``runs_as_paged_decode`` in csrc/planner/planner.h says why). ``draft_masks``
     (int64 ``[rows, 2]``, no rows in a plan without drafts): each row's last
     ``draft_masks[b, 0]`` tokens are draft tokens, read in its final range where bit k of
-    ``draft_masks[b, 1]`` allows the k-th. ``query_tiles`` (``[tiles, 2]`` int32, fields
+    ``draft_masks[b, 1]`` allows the k-th. ``query_tiles`` (``[tiles, 4]`` int32, fields
     ``specializations.QUERY_TILE_FIELDS``; no rows unless the plan runs as query tiles): rows
-    ``first_row`` to ``first_row + rows - 1``, consecutive queries of one sequence, one
-    ``tree_queries`` program per tile and KV head, each row over its whole sequence (the plan is
-    flat, with no partials). ``stats``: node
-    and computed-node counts, the chunk length, the cost model's estimate, partial programs."""
+    ``first_row`` to ``first_row + rows - 1``, lanes of ``lane_rows`` consecutive queries of one
+    sequence whose first ``shared`` tokens are the same slots, one ``tree_queries`` program per
+    tile and KV head, each row over its whole sequence (the plan is flat, with no partials).
+    ``stats``: node and computed-node counts, the chunk length, the cost model's estimate,
+    partial programs."""
     order: np.ndarray
     chunk_start: np.ndarray
     chunk_end: np.ndarray

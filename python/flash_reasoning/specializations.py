@@ -90,9 +90,11 @@ TREE_ITEM_FIELDS = ("table_row", "kv_start", "kv_end", "row_ptr", "num_rows",
 COMMON_FIELDS = ("lead_row", "start", "end")
 
 #: A query tile: an int32 record of these fields (the planner writes one per tile,
-#: ``tree_queries`` reads them): rows ``first_row`` to ``first_row + rows - 1`` of a plan,
-#: consecutive queries of one sequence, read through the block table of the longest.
-QUERY_TILE_FIELDS = ("first_row", "rows")
+#: ``tree_queries`` reads them): rows ``first_row`` to ``first_row + rows - 1`` of a plan, in
+#: lanes of ``lane_rows`` consecutive queries of one sequence, each lane read through the block
+#: table of its longest row, the lanes' first ``shared`` tokens (the same slots) once for all
+#: (2^31 - 1 in a tile of one lane: all its tokens).
+QUERY_TILE_FIELDS = ("first_row", "rows", "lane_rows", "shared")
 
 _TREE_PAGED = (("q", "*{dt}"), ("k_pool", "*{dt}"), ("v_pool", "*{dt}"),
                ("block_tables", "*i32"), ("seq_lens", "*i32"))
@@ -133,7 +135,7 @@ TREE_QUERIES = Family(
     name="tree_queries",
     params=_TREE_PAGED + (("query_tiles", "*i32"), ("draft_masks", "*i64"), ("out", "*{dt}"))
     + _TREE_SCALARS,
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DRAFT", "PAGE"),
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DRAFT", "LANES", "PAGE"),
 )
 
 FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV, TREE_PARTIAL,
