@@ -74,17 +74,15 @@ Status check_drafts(const DraftMask* drafts, int64_t rows, const int32_t* length
   return Status::Ok();
 }
 
-// Whether rows a and b of `tree` list the same blocks over the longer one's tokens.
-bool same_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, int64_t b) {
-  int64_t cols = ceil_div(std::max(tree.lengths[a], tree.lengths[b]), shape.block_size);
+// Whether rows a and b of `tree` list the same blocks for their first `tokens` tokens.
+bool same_first_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, int64_t b, int64_t tokens) {
+  int64_t cols = ceil_div(tokens, shape.block_size);
   return std::equal(tree.tables + a * tree.stride, tree.tables + a * tree.stride + cols, tree.tables + b * tree.stride);
 }
 
-// Whether rows a and b of `tree` both hold `tokens` tokens and list the same blocks for them.
-bool same_first_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, int64_t b, int64_t tokens) {
-  if (tree.lengths[a] < tokens || tree.lengths[b] < tokens) return false;
-  int64_t cols = ceil_div(tokens, shape.block_size);
-  return std::equal(tree.tables + a * tree.stride, tree.tables + a * tree.stride + cols, tree.tables + b * tree.stride);
+// Whether rows a and b of `tree` list the same blocks over the longer one's tokens.
+bool same_blocks(const AttentionShape& shape, const TreeInput& tree, int64_t a, int64_t b) {
+  return same_first_blocks(shape, tree, a, b, std::max(tree.lengths[a], tree.lengths[b]));
 }
 
 // Each row's sequence for query tiles: consecutive rows listing the same blocks (the C ABI's
@@ -451,16 +449,18 @@ Status TreeAttentionPlan::check_update(const TreeInput& tree, std::vector<int32_
 // A query tile reads each lane's rows through the lane's longest row's table, the lanes' shared
 // tokens through the tile's longest row's: a lane's rows must list the same blocks, and every lane
 // the first row's blocks over the shared tokens.
-Status TreeAttentionPlan::check_query_tile(const TreeInput& tree, const int32_t* tile) const {
-  int64_t first = tile[0], rows = tile[1], lane_rows = tile[2], shared = tile[3];
-  for (int64_t row = first + 1; row < first + rows; ++row) {
-    int64_t lane_first = first + (row - first) / lane_rows * lane_rows;
+Status TreeAttentionPlan::check_query_tile(const TreeInput& tree, const int32_t* record) const {
+  QueryTile tile(record);
+  int64_t first = tile.first_row;
+  for (int64_t row = first + 1; row < first + tile.rows; ++row) {
+    int64_t lane_first = first + (row - first) / tile.lane_rows * tile.lane_rows;
     if (row != lane_first && !same_blocks(shape_, tree, lane_first, row))
       return mismatch("branch " + std::to_string(row) + " no longer lists the blocks of branch " +
                       std::to_string(lane_first) + ", which its query tile reads as one sequence");
-    if (row == lane_first && !same_first_blocks(shape_, tree, first, row, shared))
+    bool holds = tree.lengths[first] >= tile.shared && tree.lengths[row] >= tile.shared;
+    if (row == lane_first && !(holds && same_first_blocks(shape_, tree, first, row, tile.shared)))
       return mismatch("branch " + std::to_string(row) + " no longer holds the blocks of branch " +
-                      std::to_string(first) + " for its first " + std::to_string(shared) +
+                      std::to_string(first) + " for its first " + std::to_string(tile.shared) +
                       " tokens, which its query tile reads once for both");
   }
   return Status::Ok();

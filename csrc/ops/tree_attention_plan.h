@@ -126,7 +126,7 @@ class TreeAttentionPlan {
   void add_tree_scalars(std::vector<LaunchArg>* args, std::initializer_list<LaunchArg> more = {}) const;
   void layout_workspace();
   Status check_update(const TreeInput& tree, std::vector<int32_t>* tables, std::vector<int32_t>* lengths) const;
-  Status check_query_tile(const TreeInput& tree, const int32_t* tile) const;
+  Status check_query_tile(const TreeInput& tree, const int32_t* record) const;
 
   Context* ctx_;  // null: planning only
   AttentionShape shape_;

@@ -282,10 +282,11 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
 
 // The tokens query tile `tile` (a record) walks: its lanes' shared tokens once, then each lane's
 // own up to its longest row's length.
-int64_t query_tile_walk(const SegmentTree& t, const int32_t* tile) {
-  int64_t first = tile[0], rows = tile[1], lane_rows = tile[2], shared = tile[3], walk = shared;
-  for (int64_t lane = first; lane < first + rows; lane += lane_rows)
-    walk += *std::max_element(t.lengths.begin() + lane, t.lengths.begin() + lane + lane_rows) - shared;
+int64_t query_tile_walk(const SegmentTree& t, const int32_t* record) {
+  QueryTile tile(record);
+  int64_t walk = tile.shared;
+  for (int64_t lane = tile.first_row; lane < tile.first_row + tile.rows; lane += tile.lane_rows)
+    walk += *std::max_element(t.lengths.begin() + lane, t.lengths.begin() + lane + tile.lane_rows) - tile.shared;
   return walk;
 }
 
@@ -465,7 +466,7 @@ std::vector<int32_t> query_tile_records(const SegmentTree& tree, const int32_t* 
 
 bool query_tiles_have_lanes(const std::vector<int32_t>& tiles) {
   for (size_t t = 0; t < tiles.size(); t += kQueryTileFields.size())
-    if (tiles[t + 2] < tiles[t + 1]) return true;
+    if (QueryTile(&tiles[t]).has_lanes()) return true;
   return false;
 }
 

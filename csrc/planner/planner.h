@@ -167,6 +167,14 @@ constexpr std::array<const char*, 3> kCommonFields = {"lead_row", "start", "end"
 constexpr std::array<const char*, 4> kQueryTileFields = {"first_row", "rows", "lane_rows", "shared"};
 constexpr int32_t kQueryTileAllShared = INT32_MAX;
 
+// A query tile record's fields by name.
+struct QueryTile {
+  int64_t first_row, rows, lane_rows, shared;
+  explicit QueryTile(const int32_t* record)
+      : first_row(record[0]), rows(record[1]), lane_rows(record[2]), shared(record[3]) {}
+  bool has_lanes() const { return lane_rows < rows; }
+};
+
 // Query tiles: where the caller names each row's sequence (several queries of a branch, each a
 // row), a plan may run as one launch of tree_queries, one program per (tile, KV head), a tile's
 // rows its sequence's consecutive queries x the GQA group: each walks the sequence once for all
@@ -194,8 +202,8 @@ constexpr int32_t kQueryTileAllShared = INT32_MAX;
 // plan's 1.41-2.15x in full tiles of 2 or 4 lanes on ~300-token walks (ft_1,4,256, ft_1,256,
 // ft_deep16; ft_1,2,64 at 256 programs), 1.16x at 128 programs; 0.27-0.87x on 2048-token prompts
 // but on one tree (1.17x) and 1.38x on a 1400-token walk; 0.56-1.13x in half-full tiles (32 rows:
-// 8 queries of group 1, 2 of group 4); at 8 lanes or more (no cap) 0.76-0.90x on group 1 and 0.81x
-// on ft_deep16.
+// 8 queries of group 1, 2 of group 4). Uncapped, on the same short walks: 8 lanes 0.81-1.24x, 16-32
+// lanes (group 1) 0.63-0.90x (measured with the lane loop in the one-lane kernel, 10-13% slower).
 constexpr double kQueryTileMinProgramsPerSm = 1.0;
 constexpr int64_t kQueryTileFullRows = 48;
 constexpr int64_t kQueryTileMinRows = 32;
