@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from conftest import gpu
 from flash_reasoning.hf import Sampling, ThoughtTree, beam_search, sample
 from flash_reasoning.hf.models import random_model, twin
+from hf_decoding import teacher_forced_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -204,29 +205,14 @@ def test_gpu_real_size_greedy_and_logits_match_transformers(shape, dtype):
     rows = torch.cat([prompt.expand(4, -1), torch.tensor(first, device="cuda")[:, None]], 1)
     theirs, their_logits = hf_greedy(ref, rows, STEPS - 1)
     forced = torch.cat([torch.tensor(first, device="cuda")[:, None], theirs], dim=1)
-    ours = teacher_forced_logits(model, prompt, forced)
+    ours, captures = teacher_forced_logits(model, prompt, forced)
+    assert captures == 1
     scale = their_logits.abs().amax(dim=-1, keepdim=True)
     error = ((ours - their_logits).abs() / scale).amax()
     assert error < HALF_TOLERANCE[dtype], f"relative logit error {error:.3g}"
     top2 = their_logits.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > 2 * HALF_TOLERANCE[dtype] * scale[..., 0]
     assert torch.equal(ours.argmax(-1)[clear], their_logits.argmax(-1)[clear])
-
-
-def teacher_forced_logits(model, prompt, forced):
-    """Our logits at each step when fed ``forced`` ``[rows, steps]`` (CUDA graphs on)."""
-    from flash_reasoning.hf import TreeCache, TreeDecoder
-    from flash_reasoning.hf.generate import blocks_for
-    rows, steps = forced.shape
-    cache = TreeCache(model, blocks_for(prompt.numel(), rows, steps), 16)
-    decoder = TreeDecoder(model, cache)
-    root = cache.new_branch()
-    decoder.extend(root, prompt)
-    cache.set_batch(cache.fork(root, rows))
-    cache.free(root)
-    logits = [decoder.decode(forced[:, i]) for i in range(steps - 1)]
-    assert decoder.captures == 1  # the tree never changed: one capture, replayed
-    return torch.stack(logits, dim=1)
 
 
 @gpu

@@ -47,12 +47,18 @@ def load_tensor_parallel(path, dtype: torch.dtype = torch.float32,
                          attn_implementation: str = ATTN_IMPLEMENTATION):
     """The model saved at ``path`` loaded with transformers' tensor-parallel plan
     (``tp_plan="auto"``) over the initialised ``torch.distributed`` group (torchrun's): each
-    rank holds its share of every layer's heads. Needs ``accelerate``."""
+    rank holds its share of every layer's heads, on its GPU where it has one. A group of one
+    rank holds the whole model, on its GPU too (transformers shards nothing and would leave it
+    on the CPU). Needs ``accelerate``."""
+    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
+    placed = {"device_map": torch.device("cuda", torch.cuda.current_device())} \
+        if alone and torch.cuda.is_available() else {}
     return AutoModelForCausalLM.from_pretrained(
         path, distributed_config=DistributedConfig(tp_plan="auto"), dtype=dtype,
-        attn_implementation=attn_implementation).eval()
+        attn_implementation=attn_implementation, **placed).eval()
 
 
 def twin(model, attn_implementation: str = "sdpa"):
