@@ -23,7 +23,12 @@ from flash_reasoning._core import CoreError
 from flash_reasoning.ops.tree_attention import MAX_DRAFT_TOKENS
 from flash_reasoning.planner import PlanOptions
 from flash_reasoning.runtime import TensorMap
-from flash_reasoning.specializations import TREE_FINAL, TREE_ITEM_FIELDS, TREE_PARTIAL
+from flash_reasoning.specializations import (
+    TREE_FINAL,
+    TREE_ITEM_FIELDS,
+    TREE_PARTIAL,
+    TREE_QUERIES,
+)
 from flash_reasoning.tools.bench import case_allocator, load_cases
 from flash_reasoning.tools.synthetic import (
     LONG_NODE_TOKENS,
@@ -736,6 +741,31 @@ def test_query_tile_lanes_interpreted(heads, masked):
     from aot.interpret import run_interpreted
     run_interpreted(plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out))
     check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+
+
+@interpreter
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_query_tiles_read_a_run_through_tensor_maps_interpreted(scattered, masked):
+    """sm90's query tiles at head_dim 128 read the tokens all their rows read, where the
+    table's first pages follow one another, as one run of slots through TMA descriptors, the
+    rest paged: a 100-token root in consecutive pages (or interleaved with another branch's: a
+    run of 3 pages), 6 leaves of 20 queries each (x group 4: two tiles a leaf), causal or under
+    draft masks; the pool's unread slots hold NaN."""
+    alloc, ids = shared_root("cpu", scattered, root_tokens=100, leaves=6, leaf_tokens=20,
+                             head_dim=128)
+    poison_unread_slots(alloc, ids)
+    q_lens = [20] * len(ids)
+    mask = random_masks(q_lens, 3) if masked else None
+    q = queries(alloc, ids, 8, rows=sum(q_lens))
+    plan, out = interpret(alloc, ids, q, q_lens=q_lens, mask=mask, query_tiles=True)
+    check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+    (launch,) = plan.launches(q, alloc.k_pools[0], alloc.v_pools[0], out)
+    assert launch.spec.family == "tree_queries" and launch.spec.key["TMA"] == 1
+    slots, row = alloc.num_blocks * alloc.block_size, alloc.num_kv_heads * alloc.head_dim
+    tiles = TREE_QUERIES.param_names.index("k_tiles")
+    assert launch.args[tiles:tiles + 2] == (TensorMap(alloc.k_pools[0], slots, row),
+                                            TensorMap(alloc.v_pools[0], slots, row))
 
 
 @interpreter

@@ -369,9 +369,14 @@ Status TreeAttentionPlan::add_query_tile_launch() {
                           addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest, count,
                           shape_.num_kv_heads, 1, &launch);
   if (!st.ok()) return st;
+  // The pools again as [slots, KV heads x head_dim]: the kernels that read a run of slots
+  // through TMA descriptors take these (the others ignore them).
+  int64_t slots = shape_.num_blocks * shape_.block_size, row = shape_.num_kv_heads * shape_.head_dim;
   launch.launch.args = paged_args();
-  launch.launch.args.insert(launch.launch.args.end(), {work_list("query_tiles", kQueryTiles),
-                                                       region_arg("draft_masks", Region::kDraftMasks), call(3)});
+  launch.launch.args.insert(
+      launch.launch.args.end(),
+      {LaunchArg::Call("k_tiles", 1, slots, row), LaunchArg::Call("v_tiles", 2, slots, row),
+       work_list("query_tiles", kQueryTiles), region_arg("draft_masks", Region::kDraftMasks), call(3)});
   add_tree_scalars(&launch.launch.args);
   launches_.push_back(std::move(launch));
   return Status::Ok();

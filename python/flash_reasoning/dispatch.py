@@ -139,6 +139,11 @@ COMMON_WIDE_FINAL_CONFIGS = {64: (128, 4, 2), 128: (128, 4, 2), 256: (32, 4, 2)}
 #: faster on three 2048-token walks, 1.9x slower where 16 queries filled half of it, 8-83%
 #: slower on 300-token walks).
 QUERY_TILE_CONFIG = (64, 4, 2)
+#: ... and where the tile reads its sequence's first run of slots through TMA
+#: (:func:`query_tiles_read_tensor_maps`), three stages (H200, extends of 16-256 queries on a
+#: 2048-token prompt: 0.72-0.78x the time of the paged walk at two stages; the TMA run at two
+#: stages only 0.89-0.93x).
+QUERY_TILE_TMA_CONFIG = (64, 4, 3)
 
 
 def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None = None) -> Rules:
@@ -147,9 +152,12 @@ def heuristic_rules(kernel: str, head_dim: int, arch: str, block_m: int | None =
 
     The wide ``tree_partial`` tile walks long shared ranges with three stages (H100: 16 tiles
     x 2048 tokens 49.0 us, 57.6 at two), query tiles (``tree_queries``, the same rows) with
-    :data:`QUERY_TILE_CONFIG`, head_dim 256 both with the wide tile's; sm89 has 99 KB of
+    :data:`QUERY_TILE_CONFIG` (:data:`QUERY_TILE_TMA_CONFIG` where they read through TMA),
+    head_dim 256 both with the wide tile's; sm89 has 99 KB of
     shared memory per block: one stage less. They pick by range alone (any program count)."""
     queries = kernel.startswith("tree_queries")
+    if queries and query_tiles_read_tensor_maps(arch, head_dim, "_lanes" in kernel):
+        return _any_launch(QUERY_TILE_TMA_CONFIG)
     if queries and head_dim != 256:
         return _any_launch(QUERY_TILE_CONFIG)
     if (kernel == "tree_partial" and block_m != BLOCK_M) or queries:
@@ -357,6 +365,13 @@ def reads_through_tensor_maps(arch: str, head_dim: int, block_m: int, slot_runs:
                and head_dim in TENSOR_MAP_HEAD_DIMS)
 
 
+def query_tiles_read_tensor_maps(arch: str, head_dim: int, lanes: bool) -> int:
+    """``tree_queries``' ``TMA`` constexpr: 1 where a tile of one lane reads its sequence's first
+    run of consecutive slots through TMA descriptors (sm90, head_dim 128, where it was measured:
+    H200, extend of 64 queries on 64 branches of a 2048-token prompt 392.0 -> 306.4 us)."""
+    return int(arch == "sm90" and head_dim == 128 and not lanes)
+
+
 def grid_dependency(arch: str) -> int:
     """The tree kernels' ``PDL`` constexpr on ``arch``: 1 where the GPU has programmatic
     dependent launch (sm90). The final (or merge) launch then starts while the partial launch
@@ -432,7 +447,8 @@ def tree_queries_spec(dtype: str, head_dim: int, arch: str, config: Config | Non
     block_n, warps, stages = config or config_for(kernel, dtype, head_dim, arch)
     return make_spec(TREE_QUERIES, dtype, warps, stages, HEAD_DIM=head_dim,
                      BLOCK_M=QUERY_TILE_BLOCK_M, BLOCK_N=block_n, DRAFT=int(draft),
-                     LANES=int(lanes), PAGE=compiled_page(page_size))
+                     LANES=int(lanes), TMA=query_tiles_read_tensor_maps(arch, head_dim, lanes),
+                     PAGE=compiled_page(page_size))
 
 
 def kernel_spec(kernel: str, dtype: str, head_dim: int, arch: str, config: Config,

@@ -175,9 +175,12 @@ def core_launches(listed: Sequence[tuple], arch: str, pointers: dict[str, object
                   workspace: torch.Tensor | None) -> list[Launch]:
     """The C++ core's launch list (``(kernel, grid, args, ...)``, each arg ``(name, source,
     value, rows, cols)``: ``_core.TreePlan.launches``) as :class:`Launch` records: a per-call
-    pointer is the tensor ``pointers`` names, a workspace offset a view of ``workspace``
-    (uint8) typed as its parameter, a null pointer ``None``, and a pool the kernel reads
-    through a TMA descriptor a :class:`TensorMap` of its view."""
+    pointer is the tensor at its index in ``pointers`` (named in the core's order; a kernel
+    may take one under another parameter's name, as ``tree_queries`` its pools' tensor maps),
+    a workspace offset a view of ``workspace`` (uint8) typed as its parameter, a null pointer
+    ``None``, and a pool the kernel reads through a TMA descriptor a :class:`TensorMap` of its
+    view."""
+    per_call = list(pointers.values())
     launches = []
     for kernel, grid, args, *_ in listed:
         spec = spec_of(arch, kernel)
@@ -185,7 +188,7 @@ def core_launches(listed: Sequence[tuple], arch: str, pointers: dict[str, object
         values = []
         for name, source, value, rows, cols in args:
             if source == "call":
-                arg = pointers[name]
+                arg = per_call[value]
             elif source == "workspace":
                 arg = workspace[value:].view(_POINTER_DTYPES[types[name]])
             else:

@@ -133,9 +133,13 @@ TREE_MERGE = Family(
 
 TREE_QUERIES = Family(
     name="tree_queries",
-    params=_TREE_PAGED + (("query_tiles", "*i32"), ("draft_masks", "*i64"), ("out", "*{dt}"))
-    + _TREE_SCALARS,
-    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DRAFT", "LANES", "PAGE"),
+    params=_TREE_PAGED + (("k_tiles", "*{dt}"), ("v_tiles", "*{dt}"), ("query_tiles", "*i32"),
+                          ("draft_masks", "*i64"), ("out", "*{dt}")) + _TREE_SCALARS,
+    constexprs=("HEAD_DIM", "BLOCK_M", "BLOCK_N", "DRAFT", "LANES", "TMA", "PAGE"),
+    # TMA: the pools again, as [slots, kv_heads * head_dim] (a token tile per load), for the
+    # run of slots read first; the paged walk after it reads k_pool and v_pool.
+    tensor_maps=("k_tiles", "v_tiles"),
+    tensor_map_tile=("BLOCK_N", "HEAD_DIM"),
 )
 
 FAMILIES = {f.name: f for f in (PAGED_DECODE, MERGE_SPLITS, APPEND_KV, TREE_PARTIAL,
