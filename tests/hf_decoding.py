@@ -5,6 +5,11 @@ import torch
 from flash_reasoning.hf import TreeCache, TreeDecoder
 from flash_reasoning.hf.generate import blocks_for
 
+#: Relative tolerance of a step's half-precision logits against a reference's (the dtype's
+#: rounding through two layers and a vocabulary projection, or the ranks' all-reduce summing
+#: the heads' shares in another order than one GPU's matmul).
+HALF_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
 
 def teacher_forced_logits(model, prompt, forced):
     """Our logits at each step when fed ``forced`` ``[rows, steps]`` after ``prompt`` (CUDA

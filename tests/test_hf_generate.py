@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from conftest import gpu
 from flash_reasoning.hf import Sampling, ThoughtTree, beam_search, sample
 from flash_reasoning.hf.models import random_model, twin
-from hf_decoding import teacher_forced_logits
+from hf_decoding import HALF_TOLERANCE, teacher_forced_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,9 +183,6 @@ def test_inputs_are_checked_before_any_work():
 
 #: Llama-3-8B's and Qwen2.5-7B's attention shapes (2 layers: the attention path at full size).
 GPU_SHAPES = [("llama", 32, 8, 128, 4096, 14336), ("qwen2", 28, 4, 128, 3584, 18944)]
-#: Relative tolerance of a step's logits against transformers' (the dtypes' rounding through
-#: two layers and a vocabulary projection).
-HALF_TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 @gpu

@@ -19,6 +19,7 @@ import hf_tensor_parallel_worker as worker  # noqa: E402
 from conftest import free_port, gpu  # noqa: E402
 from flash_reasoning.hf import beam_search, sample  # noqa: E402
 from flash_reasoning.hf.models import random_model, twin  # noqa: E402
+from hf_decoding import HALF_TOLERANCE  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,9 +81,7 @@ def run_ranks(world: int, device: str, out, *args) -> None:
     assert done.returncode == 0, done.stderr[max(0, done.stderr.find("Traceback")):][:6000]
 
 
-#: Relative tolerance of bfloat16 logits (two layers, the ranks' all-reduce summing the heads'
-#: shares in another order than one GPU's matmul), as the one-GPU tests against transformers.
-BF16_TOLERANCE = 5e-2
+BF16_TOLERANCE = HALF_TOLERANCE[torch.bfloat16]
 
 
 @gpu

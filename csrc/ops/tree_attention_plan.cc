@@ -118,9 +118,7 @@ void ordered_grid(int64_t programs, int64_t heads, bool heads_first, int64_t gri
   grid[2] = 1;
 }
 
-LaunchArg call(size_t index, int64_t rows = 0, int64_t cols = 0) {
-  return LaunchArg::Call(kPlanPointers[index], int64_t(index), rows, cols);
-}
+LaunchArg call(size_t index) { return LaunchArg::Call(kPlanPointers[index], int64_t(index)); }
 
 // The PlanShape of `shape`: the compiled row tiles from the context's manifest, else the
 // planner's defaults (the same tiles: a test checks).
@@ -255,11 +253,18 @@ LaunchArg TreeAttentionPlan::region_arg(const char* name, Region r) const {
   return LaunchArg::Workspace(name, int64_t(regions_[int(r)].offset));
 }
 
-// The pointers every tree kernel takes first (specializations._TREE_PAGED); the pools as
-// [pool_rows, pool_cols] views where a kernel may read them through TMA descriptors.
-std::vector<LaunchArg> TreeAttentionPlan::paged_args(int64_t pool_rows, int64_t pool_cols) const {
-  return {call(0), call(1, pool_rows, pool_cols), call(2, pool_rows, pool_cols),
+// The pointers every tree kernel takes first (specializations._TREE_PAGED); with `pool_maps`,
+// the pools as pool_map()s, for kernels that may read them through TMA descriptors.
+std::vector<LaunchArg> TreeAttentionPlan::paged_args(bool pool_maps) const {
+  return {call(0), pool_maps ? pool_map("k_pool", 1) : call(1), pool_maps ? pool_map("v_pool", 2) : call(2),
           region_arg("block_tables", Region::kTables), region_arg("seq_lens", Region::kLengths)};
+}
+
+// The run's pool `pointer` (1: K, 2: V) as parameter `name`, viewed as [slots, KV heads x
+// head_dim]: what a kernel reading it through a TMA descriptor tiles.
+LaunchArg TreeAttentionPlan::pool_map(const char* name, size_t pointer) const {
+  return LaunchArg::Call(name, int64_t(pointer), shape_.num_blocks * shape_.block_size,
+                         shape_.num_kv_heads * shape_.head_dim);
 }
 
 // The scalars every tree kernel takes after its pointers (specializations._TREE_SCALARS), then
@@ -280,8 +285,6 @@ Status TreeAttentionPlan::build_launches() {
 }
 
 Status TreeAttentionPlan::add_partial_launches() {
-  // The pools as [slots, KV heads x head_dim], for partial kernels that read them through TMA.
-  int64_t slots = shape_.num_blocks * shape_.block_size, row = shape_.num_kv_heads * shape_.head_dim;
   for (size_t i = 0; i < plan_.items.size(); ++i) {
     const ItemList& items = plan_.items[i];
     std::string key = "tree_partial/" + shape_.rule_suffix() + "/" + std::to_string(items.block_m);
@@ -292,7 +295,7 @@ Status TreeAttentionPlan::add_partial_launches() {
         pick_launch(*ctx_, plan_shape_.num_sms, addressing_rule_key(*ctx_, key, shape_.block_size, slot_runs_[i]),
                     longest_item(items), grid[0], grid[1], grid[2], &launch);
     if (!st.ok()) return st;
-    launch.launch.args = paged_args(slots, row);
+    launch.launch.args = paged_args(true);
     launch.launch.args.insert(
         launch.launch.args.end(),
         {work_list("order", kOrder), work_list("items", kFirstItems + i), work_list("entry_slot", kEntrySlot),
@@ -369,14 +372,12 @@ Status TreeAttentionPlan::add_query_tile_launch() {
                           addressing_rule_key(*ctx_, kernel + shape_.rule_suffix(), shape_.block_size), longest, count,
                           shape_.num_kv_heads, 1, &launch);
   if (!st.ok()) return st;
-  // The pools again as [slots, KV heads x head_dim]: the kernels that read a run of slots
-  // through TMA descriptors take these (the others ignore them).
-  int64_t slots = shape_.num_blocks * shape_.block_size, row = shape_.num_kv_heads * shape_.head_dim;
+  // The pools again, for the kernels that read a run of slots through TMA descriptors (the
+  // others ignore them).
   launch.launch.args = paged_args();
-  launch.launch.args.insert(
-      launch.launch.args.end(),
-      {LaunchArg::Call("k_tiles", 1, slots, row), LaunchArg::Call("v_tiles", 2, slots, row),
-       work_list("query_tiles", kQueryTiles), region_arg("draft_masks", Region::kDraftMasks), call(3)});
+  launch.launch.args.insert(launch.launch.args.end(),
+                            {pool_map("k_tiles", 1), pool_map("v_tiles", 2), work_list("query_tiles", kQueryTiles),
+                             region_arg("draft_masks", Region::kDraftMasks), call(3)});
   add_tree_scalars(&launch.launch.args);
   launches_.push_back(std::move(launch));
   return Status::Ok();

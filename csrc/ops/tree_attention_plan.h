@@ -122,7 +122,8 @@ class TreeAttentionPlan {
   Status add_query_tile_launch();
   LaunchArg work_list(const char* name, size_t list) const;
   LaunchArg region_arg(const char* name, Region r) const;
-  std::vector<LaunchArg> paged_args(int64_t pool_rows = 0, int64_t pool_cols = 0) const;
+  std::vector<LaunchArg> paged_args(bool pool_maps = false) const;
+  LaunchArg pool_map(const char* name, size_t pointer) const;
   void add_tree_scalars(std::vector<LaunchArg>* args, std::initializer_list<LaunchArg> more = {}) const;
   void layout_workspace();
   Status check_update(const TreeInput& tree, std::vector<int32_t>* tables, std::vector<int32_t>* lengths) const;
