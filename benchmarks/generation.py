@@ -20,7 +20,7 @@ compared path against path (greedy: they should be identical; ``first_mismatch``
 they are not). JSON (``--json``) and a figure (``--figure``, with matplotlib).
 
 ``python benchmarks/generation.py [--models llama3-8b,qwen2.5-7b] [--prompts 2048,8192]
-[--n 1,8,64,256] [--new-tokens 128] [--fit-search | --fit-only] [--json out.json]
+[--samples 1,8,64,256] [--new-tokens 128] [--fit-search | --fit-only] [--json out.json]
 [--figure out.png]``;
 ``--smoke`` runs a tiny model on CPU end to end (what the test runs).
 
@@ -158,7 +158,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(SHAPES))
     parser.add_argument("--prompts", type=_ints, default=[2048, 8192])
-    parser.add_argument("--n", type=_ints, default=[1, 8, 64, 256])
+    parser.add_argument("--samples", dest="n", type=_ints, default=[1, 8, 64, 256])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", type=lambda s: getattr(torch, s), default=torch.bfloat16)
     parser.add_argument("--init-std", type=float, default=0.02,
