@@ -9,7 +9,6 @@ CPU ranks over gloo, each model float32: sampling and beam search.
 bfloat16, decode steps in CUDA graphs (the collectives captured in them): sampling, and the
 logits along the tokens saved in FORCED (``{"prompt", "first", "forced"}``).
 """
-import gc
 import os
 import sys
 
@@ -59,9 +58,6 @@ def main(device: str, out: str, args: list[str]) -> None:
         dist.init_process_group("gloo")
         results = [decode_on_cpu(d) for d in args]
     torch.save(results, f"{out}.rank{dist.get_rank()}")
-    # A live CUDA graph with a captured collective holds NCCL's communicator: tearing it down
-    # first would wait on the graph forever. The decoders' graphs go with their reference cycles.
-    gc.collect()
     dist.destroy_process_group()
 
 

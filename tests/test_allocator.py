@@ -1,8 +1,10 @@
 """PhysicalKVAllocator on CPU: a stateful model check, exhaustion, the seed quick start, bad
 input, limits, host memory, threads."""
+import gc
 import sys
 import threading
 import traceback
+import weakref
 from dataclasses import fields
 
 import numpy as np
@@ -485,6 +487,23 @@ def test_free_parent_keeps_children_valid():
     with pytest.raises(UnknownBranch, match=str(root.branch_id)):
         root.length
 
+
+
+def test_a_dropped_allocator_is_freed_at_once_and_its_branch_views_say_so():
+    """Branch views refer to their allocator weakly: no cycle keeps its pools until a garbage
+    collection, and a view that outlives it reads as freed."""
+    alloc = small_allocator(num_blocks=8, layers=1)
+    root, _ = forked_family(alloc, children=2)
+    pools = weakref.ref(alloc)
+    gc.disable()
+    try:
+        del alloc
+        assert pools() is None
+    finally:
+        gc.enable()
+    assert not root.alive and "freed" in repr(root)
+    with pytest.raises(UnknownBranch, match=str(root.branch_id)):
+        root.length
 
 # ---- bad input: one rule each, state unchanged ------------------------------------------
 

@@ -4,6 +4,9 @@ sdpa attention, separate per-sequence caches) for 64 steps with float32 logits w
 tolerance, across Llama and Qwen2 with GQA groups 1, 4, 7 and 8 and head_dim 64 and 128; beam
 search gives ``generate(num_beams=k)``'s sequences and scores. The GPU tests do the same at
 real sizes in float16 and bfloat16."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -178,6 +181,34 @@ def test_inputs_are_checked_before_any_work():
         with pytest.raises(ValueError, match="flash_reasoning.hf.enable"):
             run()
 
+
+
+def test_dropped_results_free_their_cache_at_once():
+    """No reference cycle holds a cache: dropping what ``sample`` returned or a ThoughtTree
+    frees its pools (and on CUDA its decode graphs, which may hold NCCL's communicator)
+    without waiting for a garbage collection."""
+    model, _ = pair(SHAPES[0])
+
+    def grown_tree():
+        tree = ThoughtTree(model, tokens(6, 1), max_tokens=256, cuda_graphs=False)
+        a, b = tree.expand(tree.root, [[1, 2], [3]])
+        tree.generate([a, b], 3)
+        tree.prune(b)
+        return tree
+
+    def pools_after_drop(make):
+        return weakref.ref(make().cache.allocator)
+
+    gc.collect()
+    gc.disable()
+    try:
+        for make in (lambda: sample(model, tokens(5, 2), 3, 4),
+                     lambda: sample(model, tokens(5, 2), 3, 4, share_prompt=False),
+                     lambda: sample(model, tokens(5, 2), 3, 4, cuda_graphs=True),  # graph path
+                     grown_tree):
+            assert pools_after_drop(make)() is None
+    finally:
+        gc.enable()
 
 # ---- GPU: real sizes, float16 and bfloat16 --------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import operator
 import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -62,21 +63,26 @@ class Branch:
     """A live view of one branch: ``length`` always reads the allocator's current length
     (and raises :class:`UnknownBranch` once the branch is freed). ``parent_id`` and
     ``fork_position`` record how it was created (``None``/0 for a root); the parent may have
-    been freed since."""
+    been freed since. It refers to its allocator weakly: the allocator keeps its branches,
+    and a cycle would keep a dropped allocator's pools until the next garbage collection."""
     __slots__ = ("_allocator", "branch_id", "parent_id", "fork_position")
 
     def __init__(self, allocator: "PhysicalKVAllocator", branch_id: int,
                  parent_id: int | None, fork_position: int) -> None:
-        self._allocator = allocator
+        self._allocator = weakref.ref(allocator)
         self.branch_id, self.parent_id, self.fork_position = branch_id, parent_id, fork_position
 
     @property
     def length(self) -> int:
-        return self._allocator.length(self.branch_id)
+        allocator = self._allocator()
+        if allocator is None:
+            raise UnknownBranch(self.branch_id)
+        return allocator.length(self.branch_id)
 
     @property
     def alive(self) -> bool:
-        return self._allocator.is_alive(self.branch_id)
+        allocator = self._allocator()
+        return allocator is not None and allocator.is_alive(self.branch_id)
 
     def __repr__(self) -> str:
         length = self.length if self.alive else "freed"

@@ -82,7 +82,9 @@ class TreeCache(Cache):
             as_int("num_blocks", num_blocks, low=2), as_int("block_size", block_size, low=1),
             self.num_kv_heads, self.head_dim, self.num_layers, parameter.dtype, parameter.device)
         self.attention = attention
-        self._decode = (TreeDecodeAttention if attention == "tree" else PagedDecodeAttention)(self)
+        self._decode = (
+            TreeDecodeAttention(self.allocator, self.num_qo_heads, self.sm_scale)
+            if attention == "tree" else PagedDecodeAttention(self.allocator, self.sm_scale))
         self._rows: list[int] = []
         self._step: _Step | None = None
         self._last_reserve = None  # (DecodeStep, rows, tree_version): reserve(step) reuses it
@@ -441,15 +443,17 @@ class _Step:
 
 class TreeDecodeAttention:
     """Decode attention through one :class:`TreeAttentionPlan` per tree: kept while the
-    rows and the tree are unchanged (refreshed each step), rebuilt when they change."""
+    rows and the tree are unchanged (refreshed each step), rebuilt when they change. It
+    holds the cache's allocator, never the cache: no reference cycle keeps a dropped cache's
+    pools (and its CUDA graphs, which may hold a communicator) alive until the next collection."""
 
-    def __init__(self, cache: TreeCache) -> None:
-        self.cache = cache
+    def __init__(self, allocator: PhysicalKVAllocator, num_qo_heads: int, sm_scale: float) -> None:
+        self.allocator, self.num_qo_heads, self.sm_scale = allocator, num_qo_heads, sm_scale
         self.plan: TreeAttentionPlan | None = None
         self._rows: list[int] = []
 
     def prepare(self, rows: list[int]) -> TreeAttentionPlan:
-        alloc = self.cache.allocator
+        alloc = self.allocator
         if self.plan is not None and rows == self._rows and \
                 self.plan.tree_version == alloc.tree_version:
             try:
@@ -458,7 +462,7 @@ class TreeDecodeAttention:
             except StalePlan:  # the branches outgrew the plan's tables
                 pass
         self.plan = None  # a failed build must not leave the old plan in use
-        self.plan = TreeAttentionPlan(alloc, rows, self.cache.num_qo_heads, self.cache.sm_scale)
+        self.plan = TreeAttentionPlan(alloc, rows, self.num_qo_heads, self.sm_scale)
         self._rows = list(rows)
         return self.plan
 
@@ -473,16 +477,16 @@ class TreeDecodeAttention:
 class PagedDecodeAttention:
     """Decode attention by ``paged_decode`` over each row's whole path (no sharing), from
     tables held in fixed buffers (with headroom, like a plan's) so a CUDA graph can replay
-    it after :meth:`prepare` refreshes them."""
+    it after :meth:`prepare` refreshes them. Holds the allocator, not the cache (as above)."""
 
-    def __init__(self, cache: TreeCache) -> None:
-        self.cache = cache
+    def __init__(self, allocator: PhysicalKVAllocator, sm_scale: float) -> None:
+        self.allocator, self.sm_scale = allocator, sm_scale
         self.tables: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self._rows: list[int] = []
 
     def prepare(self, rows: list[int]) -> torch.Tensor:
-        tables, lengths = self.cache.allocator.block_tables(rows)
+        tables, lengths = self.allocator.block_tables(rows)
         if self.tables is None or rows != self._rows or tables.shape[1] > self.tables.shape[1]:
             self.tables = torch.zeros(len(rows), tables.shape[1] + TABLE_HEADROOM_BLOCKS,
                                       dtype=torch.int32, device=tables.device)
@@ -493,15 +497,15 @@ class PagedDecodeAttention:
         return self.tables
 
     def run(self, q: torch.Tensor, layer: int) -> torch.Tensor:
-        alloc = self.cache.allocator
+        alloc = self.allocator
         if q.is_cuda:
             return paged_decode(q, alloc.k_pools[layer], alloc.v_pools[layer], self.tables,
-                                self.lengths, self.cache.sm_scale)
+                                self.lengths, self.sm_scale)
         # paged_decode refuses dtypes and head_dims without kernels even on CPU, where its
         # PyTorch path runs any (as TreeAttentionPlan's does): call that path directly.
         out = torch.empty_like(q)
         torch_path.paged_decode(q, alloc.k_pools[layer], alloc.v_pools[layer], self.tables,
-                                self.lengths, self.cache.sm_scale, out)
+                                self.lengths, self.sm_scale, out)
         return out
 
 

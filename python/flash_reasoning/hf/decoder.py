@@ -43,7 +43,7 @@ class TreeDecoder:
         self.cache.set_batch([branch_id])
         self.cache.begin_step(tokens.shape[1])
         positions = self._positions(tokens.shape[1])
-        return self._forward(tokens.to(self.device), positions)[0]
+        return run_step(self.model, self.cache, tokens.to(self.device), positions)[0]
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row of the cache's batch (``tokens`` ``[rows]``); returns float32
@@ -55,14 +55,14 @@ class TreeDecoder:
                              f"{tokens.numel()}")
         if not self.cuda_graphs:
             self.cache.begin_step(1)
-            return self._forward(tokens[:, None], self._positions(1))
+            return run_step(self.model, self.cache, tokens[:, None], self._positions(1))
         graph = self._graph
         if graph is None or graph.rows != rows:
-            graph = self._graph = StepGraph(self, rows)
+            graph = self._graph = StepGraph(self.model, self.cache, rows, self._pool)
         key = self.cache.begin_step(1, graph.slots)
         if graph.key is not key:  # a new tree: run eagerly, capture on its next step
             graph.forget(key)
-            return self._forward(tokens[:, None], self._positions(1))
+            return run_step(self.model, self.cache, tokens[:, None], self._positions(1))
         if not graph.captured:
             graph.capture()
             self.captures += 1
@@ -72,25 +72,31 @@ class TreeDecoder:
         starts = self.cache.step_starts
         return upload(starts[:, None] + np.arange(new_tokens), self.device)
 
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """The model's forward over the open step; a forward that raises leaves no token."""
-        try:
-            with torch.no_grad():
-                out = self.model(input_ids=input_ids, position_ids=position_ids,
-                                 past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-        except BaseException:
-            self.cache.rollback()
-            raise
-        return out.logits[:, -1].float()
+
+
+def run_step(model, cache: TreeCache, input_ids: torch.Tensor,
+             position_ids: torch.Tensor) -> torch.Tensor:
+    """``model``'s forward over ``cache``'s open step: float32 logits of each row's last
+    token. A forward that raises leaves no token."""
+    try:
+        with torch.no_grad():
+            out = model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+    except BaseException:
+        cache.rollback()
+        raise
+    return out.logits[:, -1].float()
 
 
 class StepGraph:
     """One decode step of ``rows`` rows captured with fixed input, position, slot and logits
-    buffers, for the tree whose attention ``key`` (plan) it was captured with."""
+    buffers, for the tree whose attention ``key`` (plan) it was captured with. It holds the
+    model and cache, not the decoder: no cycle keeps a dropped decoder's graph (which may hold
+    NCCL's communicator) alive until a garbage collection."""
 
-    def __init__(self, decoder: TreeDecoder, rows: int) -> None:
-        device = decoder.device
-        self.decoder, self.rows = decoder, rows
+    def __init__(self, model, cache: TreeCache, rows: int, pool) -> None:
+        device = cache.allocator.device
+        self.model, self.cache, self.rows, self.pool = model, cache, rows, pool
         self.input_ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.slots = torch.zeros(rows, dtype=torch.long, device=device)
@@ -105,11 +111,10 @@ class StepGraph:
 
     def capture(self) -> None:
         """Record the step's forward (on CUDA: nothing runs; the replay runs it)."""
-        decoder = self.decoder
-        if decoder.device.type == "cuda":
+        if self.input_ids.is_cuda:
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=decoder._pool):
-                self.logits = decoder._forward(self.input_ids, self.positions)
+            with torch.cuda.graph(self.graph, pool=self.pool):
+                self.logits = run_step(self.model, self.cache, self.input_ids, self.positions)
         self.captured = True
 
     def replay(self, tokens: torch.Tensor, starts) -> torch.Tensor:
@@ -117,9 +122,8 @@ class StepGraph:
         :attr:`slots` by ``begin_step``); returns a copy of the logits."""
         self.input_ids.copy_(tokens[:, None])
         upload_into(self.positions, starts)
-        cache = self.decoder.cache
         if self.graph is None:  # CPU: the same buffers, the forward run again
-            return self.decoder._forward(self.input_ids, self.positions).clone()
+            return run_step(self.model, self.cache, self.input_ids, self.positions).clone()
         self.graph.replay()
-        cache.complete_step()
+        self.cache.complete_step()
         return self.logits.clone()

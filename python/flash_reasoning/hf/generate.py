@@ -11,6 +11,7 @@ K/V.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -259,11 +260,15 @@ class _BeamState:
 
 class ThoughtNode:
     """A node of a :class:`ThoughtTree`: its own ``tokens`` (a continuation prompt, then what
-    was generated from it), a ``score`` to set, its ``children``."""
+    was generated from it), a ``score`` to set, its ``children``. It refers to its tree and
+    parent weakly (links point down only): a dropped tree frees its cache at once, not at the
+    next garbage collection."""
 
     def __init__(self, tree: ThoughtTree, branch_id: int, parent: ThoughtNode | None,
                  tokens: list[int]) -> None:
-        self.tree, self.branch_id, self.parent = tree, branch_id, parent
+        self._tree = weakref.ref(tree)
+        self._parent = None if parent is None else weakref.ref(parent)
+        self.branch_id = branch_id
         self.tokens = tokens
         self.children: list[ThoughtNode] = []
         self.score: float | None = None
@@ -273,6 +278,16 @@ class ThoughtNode:
         # generated token is pending (not yet in the branch: it is fed first).
         self.next_logits: torch.Tensor | None = None
         self.pending: int | None = None
+
+    @property
+    def tree(self) -> ThoughtTree | None:
+        """The tree this node belongs to (None once the tree is dropped)."""
+        return self._tree()
+
+    @property
+    def parent(self) -> ThoughtNode | None:
+        """The node this one continues (None for the root, or once the tree is dropped)."""
+        return None if self._parent is None else self._parent()
 
     def path_tokens(self) -> list[int]:
         """The prompt and every token on the way to this node, its own included."""
