@@ -101,6 +101,15 @@ def test_inputs_are_checked(model):
         decoder.decode(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="must not be empty"):
         decoder.extend(decoder.cache.branch_ids[0], [])
+    lengths = decoder.cache.lengths()
+    for call in (lambda: decoder.decode([1, 128]), lambda: decoder.decode(torch.tensor([-1, 0])),
+                 lambda: decoder.extend(decoder.cache.branch_ids[0], [5, 128])):
+        with pytest.raises(ValueError, match="token id (128|-1), outside the model's "
+                                             "vocabulary \\[0, 128\\)"):
+            call()
+    with pytest.raises(TypeError, match="integer token ids, got torch.float32"):
+        decoder.decode(torch.tensor([1.0, 2.0]))
+    assert decoder.cache.lengths() == lengths
     plain = random_model("llama", 8, 2, 16, num_layers=2, attn_implementation="sdpa")
     with pytest.raises(ValueError, match="attn_implementation"):
         TreeDecoder(plain, TreeCache(plain, 16, 4))

@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import gpu
-from flash_reasoning.hf import Sampling, ThoughtTree, beam_search, sample
+from flash_reasoning import PoolExhausted
+from flash_reasoning.hf import Sampling, ThoughtTree, TreeCache, beam_search, sample
 from flash_reasoning.hf.models import random_model, twin
 from hf_decoding import HALF_TOLERANCE, teacher_forced_logits
 
@@ -174,6 +175,21 @@ def test_inputs_are_checked_before_any_work():
         sample(model, [], 2, 8)
     with pytest.raises(ValueError, match="num_return_sequences"):
         beam_search(model, tokens(4, 10), 2, 8, num_return_sequences=3)
+    with pytest.raises(ValueError, match="early_stopping must be"):
+        beam_search(model, tokens(4, 10), 2, 8, early_stopping="sometimes")
+    outside = f"outside the model's vocabulary \\[0, {VOCAB}\\)"
+    for run in (lambda: sample(model, [1, VOCAB], 2, 8),
+                lambda: sample(model, tokens(4, 10), 2, 8, first_tokens=[0, -1]),
+                lambda: beam_search(model, [VOCAB + 5], 2, 8),
+                lambda: ThoughtTree(model, [-3], cuda_graphs=False)):
+        with pytest.raises(ValueError, match=outside):
+            run()
+    with pytest.raises(TypeError, match="integer token ids"):
+        sample(model, torch.tensor([1.5, 2.0]), 2, 8)
+    for bad, match in (({"temperature": 0.0}, "temperature"), ({"top_k": 0}, "top_k"),
+                       ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")):
+        with pytest.raises(ValueError, match=match):
+            Sampling(do_sample=True, **bad)
     plain = random_model(*SHAPES[0], attn_implementation="sdpa")
     for run in (lambda: sample(plain, tokens(4, 10), 2, 8),
                 lambda: beam_search(plain, tokens(4, 10), 2, 8),
@@ -181,6 +197,41 @@ def test_inputs_are_checked_before_any_work():
         with pytest.raises(ValueError, match="flash_reasoning.hf.enable"):
             run()
 
+
+
+def test_a_failed_call_leaves_a_given_cache_as_it_was():
+    """sample and beam_search free the branches they made when they fail (beam search also
+    when it returns: its output names none); a cache passed in keeps what it held."""
+    model, _ = pair(SHAPES[0])
+    cache = TreeCache(model, 4, 4)  # 12 tokens a branch: the prompt fits, 10 new ones do not
+    held = cache.new_branch()
+    for run in (lambda: sample(model, tokens(6, 1), 2, 10, cache=cache, cuda_graphs=False),
+                lambda: beam_search(model, tokens(6, 1), 2, 10, cache=cache, cuda_graphs=False)):
+        with pytest.raises((PoolExhausted, ValueError)):
+            run()
+        assert cache.allocator.live_branch_ids() == [held]
+    beam_search(model, tokens(6, 1), 2, 2, cache=cache, cuda_graphs=False)
+    assert cache.allocator.live_branch_ids() == [held]
+
+
+def test_thought_tree_calls_are_all_or_nothing():
+    """An expand with one bad continuation adds no child; a generate that runs out of blocks
+    leaves every node and branch as before, and the tree goes on."""
+    model, _ = pair(SHAPES[0])
+    tree = ThoughtTree(model, tokens(6, 1), max_tokens=40, cuda_graphs=False)
+    live = tree.cache.allocator.live_branch_ids()
+    with pytest.raises(ValueError, match="vocabulary"):
+        tree.expand(tree.root, [[1, 2], [VOCAB]])
+    assert tree.root.children == [] and tree.cache.allocator.live_branch_ids() == live
+    a, b = tree.expand(tree.root, [[1, 2], [3]])
+    tree.generate([a, b], 2)
+    before = [(node.tokens[:], node.pending, tree.cache.length(node.branch_id))
+              for node in (a, b)]
+    with pytest.raises(PoolExhausted):
+        tree.generate([a, b], 64)
+    assert [(node.tokens, node.pending, tree.cache.length(node.branch_id))
+            for node in (a, b)] == before
+    assert [len(new) for new in tree.generate([a, b], 3)] == [3, 3]
 
 
 def test_dropped_results_free_their_cache_at_once():

@@ -14,7 +14,7 @@ import torch
 
 from ..runtime import upload, upload_into
 from .cache import TreeCache
-from .support import check_enabled
+from .support import check_enabled, token_ids, vocab_size
 
 
 class TreeDecoder:
@@ -27,6 +27,7 @@ class TreeDecoder:
         if not isinstance(cache, TreeCache):
             raise TypeError(f"cache must be a TreeCache, got {type(cache).__name__}")
         self.model, self.cache = model, cache
+        self.vocab = vocab_size(model)
         self.device = cache.allocator.device
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self._graph: StepGraph | None = None
@@ -37,7 +38,7 @@ class TreeDecoder:
     def extend(self, branch_id: int, tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Append ``tokens`` to ``branch_id`` (one forward); returns the float32 logits of the
         next token. The batch becomes ``[branch_id]``."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
+        tokens = token_ids("tokens", tokens, self.vocab).reshape(1, -1)
         if tokens.shape[1] == 0:
             raise ValueError("tokens must not be empty")
         self.cache.set_batch([branch_id])
@@ -47,8 +48,11 @@ class TreeDecoder:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """One token per row of the cache's batch (``tokens`` ``[rows]``); returns float32
-        logits ``[rows, vocab]``."""
+        logits ``[rows, vocab]``. Tokens given on the host are checked against the vocabulary;
+        tokens already on a GPU are not (that check would wait for the GPU every step)."""
         rows = len(self.cache.branch_ids)
+        if not (isinstance(tokens, torch.Tensor) and tokens.is_cuda):
+            tokens = token_ids("tokens", tokens, self.vocab)
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
         if tokens.numel() != rows:
             raise ValueError(f"tokens must hold one token per row ({rows}), got "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ from transformers.generation.logits_process import (
 from ..ops.checks import as_int
 from .cache import TreeCache
 from .decoder import TreeDecoder
-from .support import check_enabled
+from .support import check_enabled, token_ids, vocab_size
 
 #: Default KV block size (tokens) of the caches these functions make.
 BLOCK_SIZE = 16
@@ -41,6 +42,15 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:  # refused here, not in the middle of a generation
+        if not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or
+                                       not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1, got {self.top_k!r}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be None or lie in (0, 1], got {self.top_p}")
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits`` ``[rows, vocab]``."""
@@ -84,21 +94,31 @@ def sample(model, prompt: Sequence[int] | torch.Tensor, n: int, max_new_tokens: 
     (``n`` of them). ``share_prompt=False`` gives each continuation its own copy of the
     prompt's K/V (the no-sharing baseline; pair it with ``TreeCache(attention="paged")``)."""
     check_enabled(model)
-    prompt = _prompt(prompt)
+    prompt = _prompt(model, prompt)
     n = as_int("n", n, low=1)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
     sampling = sampling or Sampling()
-    if first_tokens is not None and len(first_tokens) != n:
-        raise ValueError(f"first_tokens must hold n={n} tokens, got {len(first_tokens)}")
+    if first_tokens is not None:
+        first_tokens = token_ids("first_tokens", first_tokens, vocab_size(model))
+        if first_tokens.numel() != n:
+            raise ValueError(f"first_tokens must hold n={n} tokens, got {first_tokens.numel()}")
     if cache is None:
         copies = 0 if share_prompt else n
         cache = TreeCache(model, blocks_for(prompt.numel(), n, max_new_tokens, copies),
                           BLOCK_SIZE)
     decoder = TreeDecoder(model, cache, cuda_graphs)
+    with _new_branches_freed(cache):
+        return _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens,
+                       eos_token_id, pad_token_id, share_prompt, return_logits)
+
+
+def _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens, eos_token_id,
+            pad_token_id, share_prompt, return_logits) -> SampleOutput:
+    cache = decoder.cache
     root = cache.new_branch()
     logits = decoder.extend(root, prompt)
     if first_tokens is not None:
-        tokens = torch.as_tensor(list(first_tokens), dtype=torch.long, device=logits.device)
+        tokens = first_tokens.to(logits.device)
     else:
         tokens = sampling.choose(logits.expand(n, -1))
     branches = cache.fork(root, n, share=share_prompt)
@@ -136,16 +156,27 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
     """Beam search as transformers' ``generate(num_beams=...)`` does it for one prompt (the
     top ``max(2, 1 + #eos) * num_beams`` candidates each step, finished hypotheses kept by
     score / length ** ``length_penalty``, its ``early_stopping`` heuristics), with the
-    prompt prefilled once and each step's beams made by forking and freeing branches."""
+    prompt prefilled once and each step's beams made by forking and freeing branches. It frees
+    its branches when it returns: a ``cache`` passed in holds what it held before."""
     check_enabled(model)
-    prompt = _prompt(prompt)
+    prompt = _prompt(model, prompt)
     k = as_int("num_beams", num_beams, low=1)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
     if not 1 <= num_return_sequences <= k:
         raise ValueError(f"num_return_sequences must lie in [1, {k}], got {num_return_sequences}")
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     cache = cache or TreeCache(model, blocks_for(prompt.numel(), k, max_new_tokens),
                                BLOCK_SIZE)
     decoder = TreeDecoder(model, cache, cuda_graphs)
+    with _new_branches_freed(cache, on_success=True):  # the output names no branch
+        return _beam_search(decoder, prompt, k, max_new_tokens, eos_token_id, pad_token_id,
+                            length_penalty, early_stopping, num_return_sequences)
+
+
+def _beam_search(decoder, prompt, k, max_new_tokens, eos_token_id, pad_token_id,
+                 length_penalty, early_stopping, num_return_sequences) -> BeamSearchOutput:
+    cache = decoder.cache
     root = cache.new_branch()
     logits = decoder.extend(root, prompt)[None].expand(k, -1)  # the k beams start alike
     state = _BeamState(prompt.to(logits.device), k, max_new_tokens, eos_token_id, pad_token_id,
@@ -312,7 +343,7 @@ class ThoughtTree:
                  cache: TreeCache | None = None, cuda_graphs: bool | None = None,
                  block_size: int = BLOCK_SIZE) -> None:
         check_enabled(model)
-        prompt = _prompt(prompt)
+        prompt = _prompt(model, prompt)
         self.cache = cache or TreeCache(model, -(-max_tokens // block_size) + 2, block_size)
         self.decoder = TreeDecoder(model, self.cache, cuda_graphs)
         self.root = ThoughtNode(self, self.cache.new_branch(), None, prompt.tolist())
@@ -323,15 +354,17 @@ class ThoughtTree:
         """A child of ``node`` per continuation prompt (may be empty), each forked from
         ``node``'s branch and extended by its prompt (one forward per child)."""
         self._check_alive(node)
+        prompts = [token_ids("a continuation", c, self.decoder.vocab).tolist()
+                   for c in continuations]
         children = []
-        for continuation in continuations:
-            tokens = [int(t) for t in continuation]
-            child = ThoughtNode(self, self.cache.fork(node.branch_id, 1)[0], node, tokens)
-            node.children.append(child)
-            fed = ([node.pending] if node.pending is not None else []) + tokens
-            child.next_logits = (self.decoder.extend(child.branch_id, fed) if fed
-                                 else node.next_logits)
-            children.append(child)
+        with _new_branches_freed(self.cache):  # all children, or none
+            for tokens in prompts:
+                child = ThoughtNode(self, self.cache.fork(node.branch_id, 1)[0], node, tokens)
+                fed = ([node.pending] if node.pending is not None else []) + tokens
+                child.next_logits = (self.decoder.extend(child.branch_id, fed) if fed
+                                     else node.next_logits)
+                children.append(child)
+        node.children += children
         return children
 
     def generate(self, nodes: Sequence[ThoughtNode], max_new_tokens: int, *,
@@ -349,6 +382,15 @@ class ThoughtTree:
             if node.finished:
                 raise ValueError(f"{node} already ended with an EOS")
         sampling = sampling or Sampling()
+        lengths = [self.cache.length(node.branch_id) for node in nodes]
+        try:
+            return self._generate(nodes, max_new_tokens, sampling, eos_token_id)
+        except BaseException:  # all or nothing: the branches lose what this call wrote
+            for node, length in zip(nodes, lengths):
+                self.cache.truncate(node.branch_id, length)
+            raise
+
+    def _generate(self, nodes, max_new_tokens, sampling, eos_token_id) -> list[list[int]]:
         self.cache.set_batch([node.branch_id for node in nodes])
         device = self.cache.allocator.device
         tokens, to_choose = torch.zeros(len(nodes), dtype=torch.long, device=device), []
@@ -473,8 +515,26 @@ def blocks_for(prompt_tokens: int, branches: int, new_tokens: int, copies: int =
     return prompt_blocks * (1 + copies) + branches * per_branch + 1
 
 
-def _prompt(prompt) -> torch.Tensor:
-    tokens = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+@contextmanager
+def _new_branches_freed(cache: TreeCache, *, on_success: bool = False):
+    """On an exception (and with ``on_success`` on return too), free every branch made inside:
+    a cache the caller passed keeps only the branches it held before the call."""
+    before = set(cache.allocator.live_branch_ids())
+
+    def free_new():
+        for branch_id in set(cache.allocator.live_branch_ids()) - before:
+            cache.free(branch_id)
+    try:
+        yield
+    except BaseException:
+        free_new()
+        raise
+    if on_success:
+        free_new()
+
+
+def _prompt(model, prompt) -> torch.Tensor:
+    tokens = token_ids("the prompt", prompt, vocab_size(model))
     if tokens.numel() == 0:
         raise ValueError("the prompt must hold at least one token")
     return tokens

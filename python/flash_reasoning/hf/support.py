@@ -161,3 +161,27 @@ def check_enabled(model) -> None:
         raise ValueError(f"the model's attention implementation is {implementation!r}; load it "
                          f"with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
                          f"flash_reasoning.hf.enable(model)")
+
+
+def vocab_size(model) -> int:
+    """The rows of the model's input embedding: every token id must lie below it."""
+    embeddings = model.get_input_embeddings()
+    return int(getattr(embeddings, "num_embeddings", None) or model.config.vocab_size)
+
+
+def token_ids(name: str, tokens, vocab: int) -> torch.Tensor:
+    """``tokens`` as a flat int64 tensor on their device, refused unless integer ids in
+    ``[0, vocab)``: an id out of range would fail inside the embedding, on CUDA as a
+    device-side assert that ends the process's CUDA context. Reads device tensors back."""
+    tensor = torch.as_tensor(tokens)
+    if tensor.numel() == 0:
+        return tensor.to(torch.long).reshape(-1)
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {tensor.dtype}")
+    tensor = tensor.to(torch.long).reshape(-1)
+    low, high = int(tensor.min()), int(tensor.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"{name} holds token id {low if low < 0 else high}, outside the "
+                         f"model's vocabulary [0, {vocab})")
+    return tensor
+
