@@ -77,7 +77,6 @@ class TreeDecoder:
         return upload(starts[:, None] + np.arange(new_tokens), self.device)
 
 
-
 def run_step(model, cache: TreeCache, input_ids: torch.Tensor,
              position_ids: torch.Tensor) -> torch.Tensor:
     """``model``'s forward over ``cache``'s open step: float32 logits of each row's last
