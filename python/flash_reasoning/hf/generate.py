@@ -73,10 +73,11 @@ class Sampling:
 
 @dataclass
 class SampleOutput:
-    """``tokens`` ``[n, max_new_tokens]`` (after EOS: ``pad_token_id``), ``lengths`` the
-    tokens of each up to and including its EOS, ``branch_ids`` their branches in ``cache``
-    (holding every token but each one's last); with ``return_logits``, ``logits``
-    ``[n, steps, vocab]``: the float32 logits each token was chosen from."""
+    """``tokens`` ``[n, steps]``, ``steps <= max_new_tokens`` (fewer once every row ended;
+    after a row's EOS: ``pad_token_id``), ``lengths`` the tokens of each up to and including
+    its EOS, ``branch_ids`` their branches in ``cache`` (holding every token but each one's
+    last); with ``return_logits``, ``logits`` ``[n, steps, vocab]``: the float32 logits each
+    token was chosen from."""
     tokens: torch.Tensor
     lengths: list[int]
     branch_ids: list[int]
