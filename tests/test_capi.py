@@ -573,13 +573,13 @@ def test_plan_create_null_arguments(api, host_context):
 
 def test_host_only_context_refuses_device_work(api, host_context):
     _, _, plan = api.plan(host_context, small_problem())
-    problem, p = small_problem(), api.pointer(256)
+    problem, p, out = small_problem(), api.pointer(256), api.pointer(1 << 32)  # out apart from q
     shape = problem.shape_c(api)
     calls = {
-        "frPlanRun": (plan, p, p, p, p, api.ffi.NULL),
+        "frPlanRun": (plan, p, p, p, out, api.ffi.NULL),
         "frPlanUpdate": (plan, problem.tree_c(api), api.ffi.NULL),
         "frAppendKV": (host_context, p, p, p, p, p, 1, 8, 128, api.ffi.NULL),
-        "frPagedDecode": (host_context, shape, p, p, p, p, p, 1, 4, p, api.ffi.NULL, 0, api.ffi.NULL),
+        "frPagedDecode": (host_context, shape, p, p, p, p, p, 1, 4, out, api.ffi.NULL, 0, api.ffi.NULL),
         "frDeviceAlloc": (host_context, 64, api.ffi.new("void**")),
         "frCopyToDevice": (host_context, p, api.ffi.new("char[8]"), 8),
         "frStreamSynchronize": (host_context, api.ffi.NULL),
@@ -834,6 +834,7 @@ def test_fake_driver_plan_update(fake_libcuda):
         out["leaves_grew"] = update(lambda p: None)
         p = api.pointer(256)
         out["misaligned"] = api.call("frPlanRun", plan, api.pointer(8), p, p, p, api.ffi.NULL)
+        out["out_overlaps_q"] = api.call("frPlanRun", plan, p, p, p, api.pointer(256 + 16), api.ffi.NULL)
         out["append_negative"] = api.call("frAppendKV", context, p, p, p, p, p, -1, 8, 128, api.ffi.NULL)
         out["append_null"] = api.call("frAppendKV", context, p, p, api.ffi.NULL, p, p, 3, 8, 128, api.ffi.NULL)
         out["append_no_heads"] = api.call("frAppendKV", context, p, p, p, p, p, 3, 0, 128, api.ffi.NULL)
@@ -845,6 +846,8 @@ def test_fake_driver_plan_update(fake_libcuda):
                                             api.ffi.NULL)
         out["decode_null_out"] = api.call("frPagedDecode", context, shape, p, p, p, p, p, 2, 4, api.ffi.NULL,
                                           api.ffi.NULL, 0, api.ffi.NULL)
+        out["decode_out_is_q"] = api.call("frPagedDecode", context, shape, p, p, p, p, p, 2, 4, p, api.ffi.NULL, 0,
+                                          api.ffi.NULL)
     """, libcuda=fake_libcuda)
     status, message, created = out.pop("create")
     assert status == FR_OK, message
@@ -872,7 +875,8 @@ def test_fake_driver_plan_update(fake_libcuda):
     for key, fragment in [("misaligned", "q must be a non-NULL, 16-byte aligned"), ("append_negative", "num_tokens"),
                           ("append_null", "slots must be a non-NULL"), ("append_no_heads", "got 3, 0, 128"),
                           ("append_negative_dim", "got 3, 8, -1"), ("decode_negative", "num_seqs must be in [0, 2^31), got -1"),
-                          ("decode_no_columns", "max_blocks must be in [1, 2^31), got 0"), ("decode_null_out", "out must be a non-NULL")]:
+                          ("decode_no_columns", "max_blocks must be in [1, 2^31), got 0"), ("decode_null_out", "out must be a non-NULL"),
+                          ("out_overlaps_q", "out overlaps q"), ("decode_out_is_q", "out overlaps q")]:
         assert out[key][0] == FR_INVALID_ARGUMENT and fragment in out[key][1], (key, out[key])
 
 

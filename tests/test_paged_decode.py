@@ -104,6 +104,7 @@ BAD_INPUTS = {
     "too long": (lambda p: dict(seq_lens=p.seq_lens + 1000), ValueError, "seq_lens must lie"),
     "pool dim": (lambda p: dict(k_pool=p.k_pool[..., :32]), ValueError, "k_pool"),
     "out shape": (lambda p: dict(out=p.q[:1].clone()), ValueError, "out must have"),
+    "out is q": (lambda p: dict(out=p.q), ValueError, "out overlaps q"),
     "strided q": (lambda p: dict(q=p.q.transpose(0, 1).contiguous().transpose(0, 1)),
                   ValueError, "q must be contiguous"),
 }

@@ -629,6 +629,17 @@ def test_bad_input_is_rejected_without_state_change(bad, error, match):
     assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
 
 
+def test_out_sharing_memory_with_q_is_rejected():
+    """In place, or a row apart: the kernels read q while they write out."""
+    alloc, ids = forest("cpu", seed=7)
+    q = queries(alloc, ids, 4)
+    rows = torch.cat([q, q[:1]])  # q's rows and one more: views one row apart
+    for q_view, out in ((q, q), (rows[:-1], rows[1:]), (rows[1:], rows[:-1])):
+        with pytest.raises(ValueError, match="out overlaps q"):
+            tree_attention(q_view, alloc, ids, out=out)
+    check(tree_attention(rows[1:], alloc, ids, out=rows[:-1].clone()), rows[1:], alloc, ids)
+
+
 # ---- several queries per branch (q_lens) -------------------------------------------------------
 
 def random_q_lens(alloc, ids, seed, most=64):

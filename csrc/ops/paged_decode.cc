@@ -160,6 +160,9 @@ Status paged_decode(Context& ctx, const AttentionShape& s, int64_t num_seqs, int
     if (!pointers[i] || pointers[i] % kPointerAlign)
       return invalid(std::string(kDecodePointers[i]) + " must be a non-NULL, " + std::to_string(kPointerAlign) +
                      "-byte aligned device pointer");
+  st = check_apart(pointers[0], pointers[kDecodePointers.size() - 1],  // q, out
+                   uint64_t(num_seqs * s.num_qo_heads * s.head_dim * s.dtype_bytes()));
+  if (!st.ok()) return st;
   std::vector<KernelLaunch> launches;
   for (const OpLaunch& l : decode.launches) launches.push_back(l.launch);
   return ctx.run(launches, {kDecodePointers.begin(), kDecodePointers.end()}, pointers, workspace, stream);

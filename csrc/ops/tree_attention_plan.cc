@@ -414,6 +414,9 @@ Status TreeAttentionPlan::allocate_workspace() {
 
 Status TreeAttentionPlan::run(const void* q, const void* k_pool, const void* v_pool, void* out, CUstream stream) const {
   Status st = check_pointers({{"q", q}, {"k_pool", k_pool}, {"v_pool", v_pool}, {"out", out}});
+  if (st.ok())
+    st = check_apart(reinterpret_cast<uint64_t>(q), reinterpret_cast<uint64_t>(out),
+                     uint64_t(num_branches() * shape_.num_qo_heads * shape_.head_dim * shape_.dtype_bytes()));
   if (st.ok()) st = ctx_ ? ctx_->require_device("frPlanRun") : invalid("a plan made without a context cannot run");
   if (!st.ok() || launches_.empty()) return st;
   if (!sequence_) return invalid("the plan is not bound to a workspace (bind or allocate_workspace first)");

@@ -16,6 +16,12 @@ Status check_pointers(std::initializer_list<std::pair<const char*, const void*>>
   return Status::Ok();
 }
 
+Status check_apart(uint64_t q, uint64_t out, uint64_t bytes) {
+  if ((q > out ? q - out : out - q) >= bytes) return Status::Ok();
+  return Status::Error(Code::kInvalidArgument,
+                       "out overlaps q (the kernels read q while they write out); pass a separate out");
+}
+
 namespace {
 
 Status check_version(const Manifest& m) {

@@ -20,6 +20,9 @@ namespace flash_reasoning {
 
 // kInvalidArgument naming the first of `pointers` that is NULL or not kPointerAlign-aligned.
 Status check_pointers(std::initializer_list<std::pair<const char*, const void*>> pointers);
+// kInvalidArgument when `out` and `q` (`bytes` each) share memory: a program writes its rows of
+// `out` while other programs, of its launch or an earlier one still running, may read theirs of `q`.
+Status check_apart(uint64_t q, uint64_t out, uint64_t bytes);
 
 class Context {
  public:

@@ -160,7 +160,8 @@ frStatus frPlanGetInfo(frPlan plan, frPlanInfo* info);
  * picked when the plan is created and kept through frPlanUpdate, so a CUDA graph captured
  * from frPlanRun stays valid. Valid while the plan lives. */
 frStatus frPlanKernelName(frPlan plan, int32_t launch, const char** name);
-/* out[i] = softmax(q[i] K_i^T * sm_scale) V_i over branch i's tokens, in one layer's pools. */
+/* out[i] = softmax(q[i] K_i^T * sm_scale) V_i over branch i's tokens, in one layer's pools. `out`
+ * must not overlap `q` (the kernels read q while they write out): FR_INVALID_ARGUMENT. */
 frStatus frPlanRun(frPlan plan, const void* q, const void* k_pool, const void* v_pool, void* out, void* stream);
 /* The next decode step without re-planning: same branches, each at least as long as before
  * and holding the same blocks over the ranges the plan reads once for several branches.
@@ -180,7 +181,8 @@ frStatus frAppendKV(frContext context, void* k_pool, void* v_pool, const void* s
                     const void* v_new, int64_t num_tokens, int32_t num_kv_heads, int32_t head_dim, void* stream);
 
 /* Decode over separate block tables (no sharing): block_tables int32 [num_seqs, max_blocks]
- * and seq_lens int32 [num_seqs] on the device, each length <= max_blocks * block_size.
+ * and seq_lens int32 [num_seqs] on the device, each length <= max_blocks * block_size; `out`
+ * apart from `q`.
  * Long sequences are split along their length when few sequences cannot fill the GPU; the
  * split needs `workspace` of frPagedDecodeWorkspaceSize bytes (NULL with size 0 disables it). */
 frStatus frPagedDecodeWorkspaceSize(frContext context, const frAttentionShape* shape, int32_t num_seqs,

@@ -96,6 +96,20 @@ def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.d
                          f"offset?); pass a copy")
 
 
+def check_apart(q: torch.Tensor, out: torch.Tensor | None) -> None:
+    """``out`` (like ``q``, both contiguous) shares no memory with ``q``: a program writes its
+    rows of ``out`` while other programs, of its launch or an earlier one still running, may
+    read theirs of ``q``."""
+    if out is not None and apart_bytes(q, out) < q.nbytes:
+        raise ValueError("out overlaps q (the kernels read q while they write out); pass a "
+                         "separate out")
+
+
+def apart_bytes(q: torch.Tensor, out: torch.Tensor) -> int:
+    """How far apart two same-sized contiguous tensors start: they overlap below their size."""
+    return abs(out.data_ptr() - q.data_ptr())
+
+
 def check_q_lens(q_lens, lengths) -> np.ndarray:
     """Query tokens per branch: a sequence of ints, one per branch (``lengths``, their
     current lengths), each in ``[0, length]`` (a branch's queries are its last tokens) ->

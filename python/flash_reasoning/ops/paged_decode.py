@@ -11,7 +11,7 @@ import torch
 
 from .. import _core, dispatch, log, runtime, torch_path
 from ..runtime import Launch
-from .checks import check_compiled, check_scale, check_tensor
+from .checks import check_apart, check_compiled, check_scale, check_tensor
 
 
 def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -143,6 +143,7 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, out) -> None:
         check_tensor("out", out, q.dtype, q.device, "q")
         if out.shape != q.shape:
             raise ValueError(f"out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+        check_apart(q, out)
 
 
 def _check_lengths_fit(block_tables, seq_lens, page_size) -> None:

@@ -23,7 +23,9 @@ from ..allocator import PhysicalKVAllocator
 from ..runtime import POINTER_ALIGN, Launch
 from ..segment_tree import own_ids, query_rows
 from .checks import (
+    apart_bytes,
     as_int,
+    check_apart,
     check_compiled,
     check_layer,
     check_masks,
@@ -271,8 +273,8 @@ class TreeAttentionPlan:
         them to the full check."""
         index = self._cuda_index
         return (index is not None and type(layer) is int
-                and 0 <= layer < len(self._pool_pointers)
-                and self._fits(q, index) and (out is None or self._fits(out, index)))
+                and 0 <= layer < len(self._pool_pointers) and self._fits(q, index)
+                and (out is None or self._fits(out, index) and apart_bytes(q, out) >= q.nbytes))
 
     def _fits(self, t, index: int) -> bool:
         return (type(t) is torch.Tensor and t.dtype is self._allocator.dtype and t.is_cuda
@@ -289,6 +291,7 @@ class TreeAttentionPlan:
                 rows = "num_branches" if self.q_lens is None else "sum(q_lens)"
                 raise ValueError(f"{name} must be [{rows}, num_qo_heads, head_dim] = "
                                  f"{self._io_shape}, got {tuple(t.shape)}")
+        check_apart(q, out)
         check_layer(layer, alloc.num_layers)
 
 
