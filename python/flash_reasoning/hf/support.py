@@ -184,4 +184,3 @@ def token_ids(name: str, tokens, vocab: int) -> torch.Tensor:
         raise ValueError(f"{name} holds token id {low if low < 0 else high}, outside the "
                          f"model's vocabulary [0, {vocab})")
     return tensor
-
