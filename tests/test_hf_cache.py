@@ -83,6 +83,32 @@ def test_fork_and_regroup_copy_no_blocks(models):
     assert cache.allocator.memory_report().blocks_used == used + 5
 
 
+def test_a_refused_or_failed_regroup_changes_nothing(models, monkeypatch):
+    model, _ = models
+    cache, root, _ = prefilled(model, tokens(9, 1))
+    kids = cache.fork(root, 3)
+    cache.set_batch(kids)
+    live = cache.allocator.live_branch_ids()
+    with pytest.raises(ValueError, match="at least one row"):
+        cache.regroup([])
+    with pytest.raises(ValueError, match="must lie in \\[0, 2\\]"):
+        cache.regroup([0, 3])
+    forks = []
+    alloc = cache.allocator.alloc_branch
+
+    def second_fork_fails(*args, **kwargs):
+        if forks:
+            raise RuntimeError("no branch left")
+        forks.append(alloc(*args, **kwargs))
+        return forks[-1]
+
+    monkeypatch.setattr(cache.allocator, "alloc_branch", second_fork_fails)
+    with pytest.raises(RuntimeError, match="no branch left"):
+        cache.regroup([1, 1, 1])  # keeps kids[1], forks it twice: the second fork fails
+    assert len(forks) == 1
+    assert cache.branch_ids == kids and cache.allocator.live_branch_ids() == live
+
+
 @pytest.mark.parametrize("beams", [1, 3], ids=["greedy", "beams"])
 def test_transformers_generate_runs_over_a_tree_cache(models, beams):
     """transformers' own greedy and beam-search loops over a TreeCache (beams reordered by

@@ -186,6 +186,21 @@ def test_inputs_are_checked_before_any_work():
             run()
     with pytest.raises(TypeError, match="integer token ids"):
         sample(model, torch.tensor([1.5, 2.0]), 2, 8)
+    tree = ThoughtTree(model, tokens(4, 10), cuda_graphs=False)
+    for run in (lambda: sample(model, tokens(4, 10), 2, 8, eos_token_id=VOCAB),
+                lambda: beam_search(model, tokens(4, 10), 2, 8, eos_token_id=[3, -1]),
+                lambda: tree.generate([tree.root], 4, eos_token_id=VOCAB + 1)):
+        with pytest.raises(ValueError, match="eos_token_id holds token id"):
+            run()
+    for run, match in ((lambda: sample(model, tokens(4, 10), 2, 8, eos_token_id=[]),
+                        "eos_token_id must name"),
+                       (lambda: tree.generate([], 4), "at least one leaf"),
+                       (lambda: tree.generate([tree.root], 0), "max_new_tokens must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            run()
+    with pytest.raises(TypeError, match="pad_token_id must be an int"):
+        beam_search(model, tokens(4, 10), 2, 8, pad_token_id="<pad>")
+    assert tree.root.tokens == tokens(4, 10).tolist() and tree.root.pending is None
     for bad, match in (({"temperature": 0.0}, "temperature"), ({"top_k": 0}, "top_k"),
                        ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p")):
         with pytest.raises(ValueError, match=match):
@@ -196,7 +211,6 @@ def test_inputs_are_checked_before_any_work():
                 lambda: ThoughtTree(plain, tokens(4, 10))):
         with pytest.raises(ValueError, match="flash_reasoning.hf.enable"):
             run()
-
 
 
 def test_a_failed_call_leaves_a_given_cache_as_it_was():

@@ -156,16 +156,24 @@ class TreeCache(Cache):
         self._settle()
         old = self._rows
         picks = [as_int("source row", s) for s in sources]
+        if not picks:  # would free every row: free() says so when that is meant
+            raise ValueError("sources must name at least one row")
         bad = [s for s in picks if not 0 <= s < len(old)]
         if bad:
             raise ValueError(f"source rows must lie in [0, {len(old) - 1}], got {bad[0]}")
-        rows, kept = [], set()
-        for source in picks:
-            bid = old[source]
-            if bid in kept:
-                bid = self.allocator.alloc_branch(self.allocator.length(bid), bid).branch_id
-            kept.add(old[source])
-            rows.append(bid)
+        rows, kept, forks = [], set(), []
+        try:
+            for source in picks:
+                bid = old[source]
+                if bid in kept:
+                    bid = self.allocator.alloc_branch(self.allocator.length(bid), bid).branch_id
+                    forks.append(bid)
+                kept.add(old[source])
+                rows.append(bid)
+        except BaseException:  # all or nothing: the forks made so far go
+            for bid in forks:
+                self.allocator.free_branch(bid)
+            raise
         for bid in old:
             if bid not in kept:
                 self.allocator.free_branch(bid)

@@ -27,7 +27,7 @@ from transformers.generation.logits_process import (
 from ..ops.checks import as_int
 from .cache import TreeCache
 from .decoder import TreeDecoder
-from .support import check_enabled, token_ids, vocab_size
+from .support import check_enabled, eos_ids, token_ids, vocab_size
 
 #: Default KV block size (tokens) of the caches these functions make.
 BLOCK_SIZE = 16
@@ -99,6 +99,8 @@ def sample(model, prompt: Sequence[int] | torch.Tensor, n: int, max_new_tokens: 
     n = as_int("n", n, low=1)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
     sampling = sampling or Sampling()
+    eos = eos_ids(eos_token_id, vocab_size(model))
+    pad_token_id = None if pad_token_id is None else as_int("pad_token_id", pad_token_id)
     if first_tokens is not None:
         first_tokens = token_ids("first_tokens", first_tokens, vocab_size(model))
         if first_tokens.numel() != n:
@@ -109,12 +111,12 @@ def sample(model, prompt: Sequence[int] | torch.Tensor, n: int, max_new_tokens: 
                           BLOCK_SIZE)
     decoder = TreeDecoder(model, cache, cuda_graphs)
     with _new_branches_freed(cache):
-        return _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens,
-                       eos_token_id, pad_token_id, share_prompt, return_logits)
+        return _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens, eos,
+                       pad_token_id, share_prompt, return_logits)
 
 
-def _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens, eos_token_id,
-            pad_token_id, share_prompt, return_logits) -> SampleOutput:
+def _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens, eos, pad_token_id,
+            share_prompt, return_logits) -> SampleOutput:
     cache = decoder.cache
     root = cache.new_branch()
     logits = decoder.extend(root, prompt)
@@ -125,7 +127,7 @@ def _sample(decoder, prompt, n, max_new_tokens, sampling, first_tokens, eos_toke
     branches = cache.fork(root, n, share=share_prompt)
     cache.free(root)
     cache.set_batch(branches)
-    stop = _Stops(eos_token_id, pad_token_id, n, tokens.device)
+    stop = _Stops(eos, pad_token_id, n, tokens.device)
     out = [stop.record(tokens)]
     seen = [logits.expand(n, -1)] if return_logits else None
     for _ in range(max_new_tokens - 1):
@@ -167,20 +169,22 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
         raise ValueError(f"num_return_sequences must lie in [1, {k}], got {num_return_sequences}")
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+    eos = eos_ids(eos_token_id, vocab_size(model))
+    pad_token_id = None if pad_token_id is None else as_int("pad_token_id", pad_token_id)
     cache = cache or TreeCache(model, blocks_for(prompt.numel(), k, max_new_tokens),
                                BLOCK_SIZE)
     decoder = TreeDecoder(model, cache, cuda_graphs)
     with _new_branches_freed(cache, on_success=True):  # the output names no branch
-        return _beam_search(decoder, prompt, k, max_new_tokens, eos_token_id, pad_token_id,
+        return _beam_search(decoder, prompt, k, max_new_tokens, eos, pad_token_id,
                             length_penalty, early_stopping, num_return_sequences)
 
 
-def _beam_search(decoder, prompt, k, max_new_tokens, eos_token_id, pad_token_id,
+def _beam_search(decoder, prompt, k, max_new_tokens, eos, pad_token_id,
                  length_penalty, early_stopping, num_return_sequences) -> BeamSearchOutput:
     cache = decoder.cache
     root = cache.new_branch()
     logits = decoder.extend(root, prompt)[None].expand(k, -1)  # the k beams start alike
-    state = _BeamState(prompt.to(logits.device), k, max_new_tokens, eos_token_id, pad_token_id,
+    state = _BeamState(prompt.to(logits.device), k, max_new_tokens, eos, pad_token_id,
                        length_penalty, early_stopping)
     first = True
     while True:
@@ -199,14 +203,13 @@ class _BeamState:
     one), the cache left to the caller: :meth:`step` returns each new running beam's source
     beam."""
 
-    def __init__(self, prompt, k, max_new_tokens, eos_token_id, pad_token_id, length_penalty,
+    def __init__(self, prompt, k, max_new_tokens, eos, pad_token_id, length_penalty,
                  early_stopping) -> None:
         device = prompt.device
         self.k, self.prompt_len = k, prompt.numel()
         self.max_length = self.prompt_len + max_new_tokens
         self.cur_len = self.prompt_len
-        self.eos = None if eos_token_id is None else torch.as_tensor(
-            eos_token_id, device=device).reshape(-1)
+        self.eos = None if eos is None else eos.to(device)
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
         self.keep = max(2, 1 + (0 if self.eos is None else self.eos.numel())) * k
         self.top_mask = torch.arange(self.keep, device=device) < k
@@ -375,6 +378,9 @@ class ThoughtTree:
         to ``max_new_tokens`` tokens, stopping each at EOS; the tokens join each node's own.
         Returns what each generated."""
         nodes = list(nodes)
+        if not nodes:
+            raise ValueError("nodes must name at least one leaf")
+        max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
         for node in nodes:
             self._check_alive(node)
             if node.children:
@@ -383,15 +389,16 @@ class ThoughtTree:
             if node.finished:
                 raise ValueError(f"{node} already ended with an EOS")
         sampling = sampling or Sampling()
+        eos = eos_ids(eos_token_id, self.decoder.vocab)
         lengths = [self.cache.length(node.branch_id) for node in nodes]
         try:
-            return self._generate(nodes, max_new_tokens, sampling, eos_token_id)
+            return self._generate(nodes, max_new_tokens, sampling, eos)
         except BaseException:  # all or nothing: the branches lose what this call wrote
             for node, length in zip(nodes, lengths):
                 self.cache.truncate(node.branch_id, length)
             raise
 
-    def _generate(self, nodes, max_new_tokens, sampling, eos_token_id) -> list[list[int]]:
+    def _generate(self, nodes, max_new_tokens, sampling, eos) -> list[list[int]]:
         self.cache.set_batch([node.branch_id for node in nodes])
         device = self.cache.allocator.device
         tokens, to_choose = torch.zeros(len(nodes), dtype=torch.long, device=device), []
@@ -400,7 +407,7 @@ class ThoughtTree:
                 tokens[i] = node.pending
             else:
                 to_choose.append(i)
-        stop = _Stops(eos_token_id, None, len(nodes), device)
+        stop = _Stops(eos, None, len(nodes), device)
         generated = []
         if to_choose:  # nodes whose next token comes from their logits: choose it first
             chosen = sampling.choose(torch.stack([nodes[i].next_logits for i in to_choose]))
@@ -473,9 +480,8 @@ class ThoughtTree:
 class _Stops:
     """Which rows have generated an EOS, and the pad tokens they emit after it."""
 
-    def __init__(self, eos_token_id, pad_token_id, rows: int, device) -> None:
-        self.eos = None if eos_token_id is None else torch.as_tensor(
-            eos_token_id, device=device).reshape(-1)
+    def __init__(self, eos: torch.Tensor | None, pad_token_id, rows: int, device) -> None:
+        self.eos = None if eos is None else eos.to(device)
         pad = pad_token_id if pad_token_id is not None else (
             int(self.eos[0]) if self.eos is not None else 0)
         self.pad = torch.tensor(pad, device=device)

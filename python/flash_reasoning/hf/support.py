@@ -184,3 +184,14 @@ def token_ids(name: str, tokens, vocab: int) -> torch.Tensor:
         raise ValueError(f"{name} holds token id {low if low < 0 else high}, outside the "
                          f"model's vocabulary [0, {vocab})")
     return tensor
+
+
+def eos_ids(eos_token_id, vocab: int) -> torch.Tensor | None:
+    """``eos_token_id`` (one id or several; None: no EOS) as a flat int64 tensor, refused
+    outside ``[0, vocab)``: an EOS the model cannot emit would stop no row, silently."""
+    if eos_token_id is None:
+        return None
+    ids = token_ids("eos_token_id", eos_token_id, vocab)
+    if ids.numel() == 0:
+        raise ValueError("eos_token_id must name at least one token (None: no EOS)")
+    return ids
