@@ -14,7 +14,9 @@ greedily for ``--new-tokens`` tokens in total. Three paths:
 
 Per path: decode tokens per second and the median time per step (CUDA events between steps:
 everything the loop does), the time per step in attention kernels and its share of the step
-(torch.profiler over a few eager steps, kernels named like attention), peak GPU memory, and,
+(torch.profiler, kernels named like attention: for our paths over three of the loop's own
+CUDA-graph steps in the middle of the run, the median step's tree, and again at its end, the
+longest leaves; for transformers over three eager steps after it), peak GPU memory, and,
 with ``--fit-search``, the largest ``n`` that fits (doubling, then bisection). Tokens are
 compared path against path (greedy: they should be identical; ``first_mismatch`` says where
 they are not). JSON (``--json``) and a figure (``--figure``, with matplotlib).
@@ -75,6 +77,8 @@ OUR_ATTENTION_KERNELS = ("tree_partial", "tree_final", "tree_merge", "paged_deco
                          "merge_splits")
 SDPA_KERNELS = ("flash", "fmha", "attention", "attn")
 PROFILED_STEPS = 3
+NOT_PROFILED = {"attention_ms_per_step": None, "kernel_ms_per_step": None,
+                "attention_share_of_kernels": None}
 
 
 def main(argv=None) -> int:
@@ -200,7 +204,7 @@ def run_config(model, prompt, n: int, new_tokens: int) -> dict:
     for path in PATHS:
         result, tokens[path] = guarded(run_path, model, prompt, n, new_tokens, first, path)
         if result.get("attention_ms_per_step") is not None and result.get("step_ms_median"):
-            # Attention kernels (profiled eager steps) against the loop's step (graphs).
+            # Attention kernels (profiled at the middle of the run) against the median step.
             result["attention_share_of_step"] = (result["attention_ms_per_step"]
                                                  / result["step_ms_median"])
         row[path] = result
@@ -231,21 +235,40 @@ def run_ours(model, prompt, n, new_tokens, first, share: bool):
     cache.set_batch(branches)
     sync(device)
     prefill_s = time.perf_counter() - start
-    tokens = torch.tensor(first, device=device)
-    out, marks = [tokens], [event(device)]
-    for _ in range(new_tokens - 1):
-        tokens = decoder.decode(tokens).argmax(-1)
-        out.append(tokens)
-        marks.append(event(device))
+    out, marks, profiles = [torch.tensor(first, device=device)], [event(device)], {}
+    windows = profile_windows(new_tokens - 1) if device.type == "cuda" else {}
+
+    def decode_steps(count):
+        for _ in range(count):
+            out.append(decoder.decode(out[-1]).argmax(-1))
+    while len(out) < new_tokens:
+        window = windows.get(len(out) - 1)
+        if window is None:
+            decode_steps(1)
+            marks.append(event(device))
+        else:  # the loop's own graph replays, profiled; left out of the step times
+            profiles[window] = kernel_profile(lambda: decode_steps(PROFILED_STEPS),
+                                              OUR_ATTENTION_KERNELS)
+            marks.append(None)
+            marks.append(event(device))
     sync(device)
     result = step_stats(marks, n, device)
     result.update(prefill_s=prefill_s, peak_memory_bytes=peak(device),
                   kv_memory=cache.allocator.memory_report().to_dict(),
                   graph_captures=decoder.captures)
-    result.update(attention_profile(lambda t: TreeDecoder(model, cache, cuda_graphs=False)
-                                    .decode(t).argmax(-1), tokens, OUR_ATTENTION_KERNELS,
-                                    device))
+    result.update(profiles.get("median", NOT_PROFILED))
+    if "last" in profiles:
+        result["attention_ms_last_steps"] = profiles["last"]["attention_ms_per_step"]
+        result["attention_share_last_steps"] = profiles["last"]["attention_share_of_kernels"]
     return result, torch.stack(out, 1).cpu()
+
+
+def profile_windows(steps: int) -> dict:
+    """The decode steps (by index) where :data:`PROFILED_STEPS` profiled steps start: at the
+    middle of the run (the median step's tree) and at its end (the longest leaves)."""
+    if steps < 2 * PROFILED_STEPS + 4:  # too short to leave steps to time
+        return {}
+    return {steps // 2 - PROFILED_STEPS // 2: "median", steps - PROFILED_STEPS: "last"}
 
 
 def run_transformers(model, prompt, n, new_tokens, first):
@@ -306,20 +329,28 @@ def transformers_attention_profile(model, rows, device) -> dict:
 
 
 def attention_profile(step, tokens, names, device) -> dict:
-    """GPU time per step in attention (kernels whose name holds one of ``names``) and in any
-    kernel (overlapping kernels counted once: :func:`covered_us`), over
-    :data:`PROFILED_STEPS` eager steps; the busiest kernels, to check the names."""
+    """:func:`kernel_profile` of :data:`PROFILED_STEPS` steps of ``step`` after a warm one
+    (plans and launches made outside the profile)."""
     if device.type != "cuda":
-        return {"attention_ms_per_step": None, "kernel_ms_per_step": None,
-                "attention_share_of_kernels": None}
-    from torch.profiler import ProfilerActivity, profile
-    tokens = step(tokens)  # warm: plans and launches made outside the profile
+        return NOT_PROFILED
+    tokens = [step(tokens)]
     sync(device)
+
+    def steps():
+        for _ in range(PROFILED_STEPS):
+            tokens[0] = step(tokens[0])
+    return kernel_profile(steps, names)
+
+
+def kernel_profile(steps, names) -> dict:
+    """GPU time per step in attention (kernels whose name holds one of ``names``) and in any
+    kernel (overlapping kernels counted once: :func:`covered_us`) while ``steps()`` runs
+    :data:`PROFILED_STEPS` steps; the busiest kernels, to check the names."""
+    from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         with torch.no_grad():
-            for _ in range(PROFILED_STEPS):
-                tokens = step(tokens)
-        sync(device)
+            steps()
+        torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = covered_us(kernels) / 1e3 / PROFILED_STEPS
     attention = covered_us([e for e in kernels if any(name in e.name.lower() for name in names)]
@@ -344,9 +375,10 @@ def covered_us(kernels) -> float:
 
 
 def step_stats(marks, n, device) -> dict:
-    """Per-step times from consecutive marks (the first two steps left out: the eager step
-    and the capture of a new tree)."""
-    times = [elapsed_ms(a, b, device) for a, b in itertools.pairwise(marks)]
+    """Per-step times from consecutive marks (None breaks the chain: profiled steps; the
+    first two steps left out: the eager step and the capture of a new tree)."""
+    times = [elapsed_ms(a, b, device) for a, b in itertools.pairwise(marks)
+             if a is not None and b is not None]
     timed = times[2:] if len(times) > 4 else times
     if not timed:
         return {"steps": 0}
@@ -498,9 +530,11 @@ def summary(row) -> str:
             parts.append(f"{path} OOM")
             continue
         share = result.get("attention_share_of_step")
+        last = result.get("attention_share_last_steps")
         parts.append(f"{path} {result.get('decode_tokens_per_s', math.nan):.0f} tok/s "
                      f"{result.get('step_ms_median', math.nan):.2f} ms/step"
-                     + (f" attn {share:.0%}" if share is not None else ""))
+                     + (f" attn {share:.0%}" if share is not None else "")
+                     + (f" ({last:.0%} at the end)" if last is not None else ""))
     parts.append(f"identical: {row['tree_vs_transformers'].get('identical')}"
                  f"/{row['tree_vs_no_sharing'].get('identical')}")
     return " | ".join(parts)

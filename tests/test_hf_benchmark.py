@@ -51,6 +51,24 @@ def test_covered_time_counts_overlapping_kernels_once():
     assert bench.covered_us([]) == 0
 
 
+def test_profiled_steps_are_left_out_of_the_step_times():
+    bench = load_benchmark("generation")
+    steps = 127
+    windows = bench.profile_windows(steps)
+    median, last = sorted(windows)
+    assert windows == {median: "median", last: "last"}
+    assert median < steps // 2 < median + bench.PROFILED_STEPS <= last
+    assert last + bench.PROFILED_STEPS == steps
+    assert bench.profile_windows(2 * bench.PROFILED_STEPS) == {}
+    # Marks in seconds (CPU): three 1 s steps, a profiled window (None), three 0.5 s steps;
+    # the first two steps (eager, capture) are left out too.
+    marks = [0.0, 1.0, 2.0, 3.0, None, 10.0, 10.5, 11.0, 11.5]
+    stats = bench.step_stats(marks, 4, torch.device("cpu"))
+    assert stats["steps"] == 6 and stats["step_ms_max"] == 1000.0
+    assert stats["step_ms_median"] == 500.0
+    assert stats["decode_tokens_per_s"] == pytest.approx(4 * 4 / 2.5)
+
+
 @pytest.mark.parametrize("limit", [0, 1, 5, 100, 300, 1000])
 def test_largest_n_finds_the_limit_from_any_listed_start(monkeypatch, limit):
     bench = load_benchmark("generation")
