@@ -60,10 +60,8 @@ def test_a_changed_tree_is_captured_again(model):
     assert decoder.captures == 2
 
 
-def test_beam_search_captures_only_between_reshuffles(model):
-    """A step whose beams all continue their own branch keeps the tree (and the graph); one
-    that forks and frees changes it: an eager step, then a capture if the next keeps it."""
-    eager = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=False)
+def captures_per_step(monkeypatch) -> list[int]:
+    """``decoder.captures`` after each decode step of whatever runs next."""
     captures = []
     original = TreeDecoder.decode
 
@@ -72,11 +70,27 @@ def test_beam_search_captures_only_between_reshuffles(model):
         captures.append(self.captures)
         return out
 
-    TreeDecoder.decode = counting
-    try:
-        graphs = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=True)
-    finally:
-        TreeDecoder.decode = original
+    monkeypatch.setattr(TreeDecoder, "decode", counting)
+    return captures
+
+
+def test_beam_search_replays_one_graph_through_the_paged_backend(model, monkeypatch):
+    """Its own cache reads each beam's path (paged): the tables' buffers outlive every
+    regroup, so the second step captures and every later one replays."""
+    eager = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=False)
+    captures = captures_per_step(monkeypatch)
+    graphs = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=True)
+    assert torch.equal(eager.sequences, graphs.sequences)
+    assert captures == [0] + [1] * (len(captures) - 1) and len(captures) > 5
+
+
+def test_beam_search_over_a_tree_cache_captures_only_between_reshuffles(model, monkeypatch):
+    """A step whose beams all continue their own branch keeps the tree (and the graph); one
+    that forks and frees changes it: an eager step, then a capture if the next keeps it."""
+    eager = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=False)
+    captures = captures_per_step(monkeypatch)
+    graphs = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=True,
+                         cache=TreeCache(model, 256, 4))
     assert torch.equal(eager.sequences, graphs.sequences)
     assert 0 < captures[-1] < len(captures)  # some steps replayed, some trees changed
 

@@ -309,12 +309,15 @@ def test_gpu_real_size_greedy_and_logits_match_transformers(shape, dtype):
 
 
 @gpu
-def test_gpu_beam_search_matches_transformers_in_bfloat16():
+@pytest.mark.parametrize("attention", ["paged", "tree"])
+def test_gpu_beam_search_matches_transformers_in_bfloat16(attention):
     """The best beam (the others' order may turn on bfloat16 rounding of near-equal scores;
-    the algorithm itself is checked exactly in float32 above)."""
+    the algorithm itself is checked exactly in float32 above), through its own cache (paged:
+    one CUDA graph replayed across the regroups) and through a tree cache (eager steps)."""
     model, ref = pair(("llama", 32, 8, 128), num_layers=2, hidden_size=1024, vocab_size=4096,
                       dtype=torch.bfloat16, device="cuda")
     prompt = tokens(100, 12).cuda()
     theirs = ref.generate(prompt[None], do_sample=False, num_beams=4, max_new_tokens=16)
-    ours = beam_search(model, prompt, 4, 16)
+    cache = TreeCache(model, 64, 16) if attention == "tree" else None
+    ours = beam_search(model, prompt, 4, 16, cache=cache)
     assert torch.equal(ours.sequences, theirs[:, 100:])

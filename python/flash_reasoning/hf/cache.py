@@ -483,24 +483,25 @@ class TreeDecodeAttention:
 
 
 class PagedDecodeAttention:
-    """Decode attention by ``paged_decode`` over each row's whole path (no sharing), from
+    """Decode attention by ``paged_decode`` over each row's whole path (no read shared), from
     tables held in fixed buffers (with headroom, like a plan's) so a CUDA graph can replay
-    it after :meth:`prepare` refreshes them. Holds the allocator, not the cache (as above)."""
+    it after :meth:`prepare` refreshes them, whatever branches the rows hold: a fork, free or
+    regroup keeps the buffers while the row count holds. Holds the allocator, not the cache
+    (as above)."""
 
     def __init__(self, allocator: PhysicalKVAllocator, sm_scale: float) -> None:
         self.allocator, self.sm_scale = allocator, sm_scale
         self.tables: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
-        self._rows: list[int] = []
 
     def prepare(self, rows: list[int]) -> torch.Tensor:
         tables, lengths = self.allocator.block_tables(rows)
-        if self.tables is None or rows != self._rows or tables.shape[1] > self.tables.shape[1]:
+        if self.tables is None or len(rows) != self.tables.shape[0] or \
+                tables.shape[1] > self.tables.shape[1]:
             self.tables = torch.zeros(len(rows), tables.shape[1] + TABLE_HEADROOM_BLOCKS,
                                       dtype=torch.int32, device=tables.device)
             self.lengths = torch.empty_like(lengths)
-            self._rows = list(rows)
-        self.tables[:, :tables.shape[1]].copy_(tables)
+        self.tables[:, :tables.shape[1]].copy_(tables)  # columns past a row's length: unread
         self.lengths.copy_(lengths)
         return self.tables
 

@@ -3,7 +3,8 @@ extend one branch by several tokens, decode one token on every row. A decode ste
 CUDA graph by default on CUDA: captured on the second step of a tree (the first runs eagerly,
 which also loads every kernel), replayed while the tree keeps its shape (the plan's buffers
 and the slots' buffer are fixed; the plan is refreshed before each replay), captured again
-when the tree changes (a fork, free or prune: a new plan).
+when the tree changes (a fork, free or prune: a new plan). A paged cache's tables keep their
+buffers while the row count holds: its graph outlives such changes.
 """
 from __future__ import annotations
 

@@ -160,7 +160,12 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
     top ``max(2, 1 + #eos) * num_beams`` candidates each step, finished hypotheses kept by
     score / length ** ``length_penalty``, its ``early_stopping`` heuristics), with the
     prompt prefilled once and each step's beams made by forking and freeing branches. It frees
-    its branches when it returns: a ``cache`` passed in holds what it held before."""
+    its branches when it returns: a ``cache`` passed in holds what it held before.
+
+    The beams' tree changes every step, and a tree plan made anew each step runs eagerly, so
+    the cache it makes reads each beam's path with ``attention="paged"`` (storage still
+    shared), whose decode steps replay one CUDA graph; pass a ``TreeCache(...,
+    attention="tree")`` to read the shared prompt once per step instead (eager steps)."""
     check_enabled(model)
     prompt = _prompt(model, prompt)
     k = as_int("num_beams", num_beams, low=1)
@@ -171,8 +176,9 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     eos = eos_ids(eos_token_id, vocab_size(model))
     pad_token_id = None if pad_token_id is None else as_int("pad_token_id", pad_token_id)
-    cache = cache or TreeCache(model, blocks_for(prompt.numel(), k, max_new_tokens),
-                               BLOCK_SIZE)
+    if cache is None:
+        cache = TreeCache(model, blocks_for(prompt.numel(), k, max_new_tokens), BLOCK_SIZE,
+                          attention="paged")
     decoder = TreeDecoder(model, cache, cuda_graphs)
     with _new_branches_freed(cache, on_success=True):  # the output names no branch
         return _beam_search(decoder, prompt, k, max_new_tokens, eos, pad_token_id,
