@@ -75,7 +75,7 @@ def allocator_snapshot(alloc):
             dict(alloc._live_parent), {b: set(c) for b, c in alloc._live_children.items()},
             alloc._free_rows[:alloc._free_rows_top].tolist(), alloc.tree_version,
             alloc.table_version, alloc.memory_report())
-    pools = [p.clone() for p in alloc._pools]
+    pools = [p.clone() for p in (*alloc.k_pools, *alloc.v_pools)]
     return arrays, rest, pools
 
 

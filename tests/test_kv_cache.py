@@ -96,6 +96,16 @@ def test_copy_blocks_copies_every_pool():
         assert torch.equal(pool[2], old[2])
 
 
+def test_copy_blocks_through_a_blocks_first_view_copies_every_layer():
+    """The allocator's form: one view of all layers' K and V pools, blocks first."""
+    kv = torch.randn(3, 2, 6, 4, 2, 8)  # layers, K/V, blocks, block_size, heads, dim
+    before = kv.clone()
+    kv_cache.copy_blocks([kv.transpose(0, 2)], torch.tensor([0, 3]), torch.tensor([5, 1]))
+    assert torch.equal(kv[:, :, 5], before[:, :, 0]) and torch.equal(kv[:, :, 1], before[:, :, 3])
+    for kept in (0, 2, 3, 4):
+        assert torch.equal(kv[:, :, kept], before[:, :, kept])
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_append_kernel_gpu_matches_cpu_path(dtype):

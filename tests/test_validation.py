@@ -273,7 +273,8 @@ def same_contents(a: PhysicalKVAllocator, b: PhysicalKVAllocator) -> bool:
         ids = alloc.live_branch_ids()
         tables, lengths = alloc.block_tables(ids)
         return [reference.gather_sequence(pool, tables[i], int(n))
-                for pool in alloc._pools for i, n in enumerate(lengths.tolist())]
+                for pool in (*alloc.k_pools, *alloc.v_pools)
+                for i, n in enumerate(lengths.tolist())]
     return all(same_bits(x, y) for x, y in zip(contents(a), contents(b), strict=True))
 
 

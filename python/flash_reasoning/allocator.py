@@ -227,7 +227,9 @@ class PhysicalKVAllocator:
         self.dtype, self.device = dtype, kv.device
         self.k_pools = tuple(kv[layer, 0] for layer in range(self.num_layers))
         self.v_pools = tuple(kv[layer, 1] for layer in range(self.num_layers))
-        self._pools = [pool for pair in zip(self.k_pools, self.v_pools) for pool in pair]
+        # Every pool at once, blocks first ([blocks, K/V, layers, ...]): a copy-on-write copies
+        # a block in all of them with one gather and one scatter, not two per pool.
+        self._blocks_first = kv.transpose(0, 2)
         # Blocks: refcount (0 for the zero block and free blocks); fill[b]: offsets >= fill[b]
         # of block b hold zeros (an upper bound); the free list is a stack popping low ids.
         self._refcount = np.zeros(self.num_blocks, np.int64)
@@ -658,7 +660,7 @@ class PhysicalKVAllocator:
         src = blocks[copy]
         dst = self._free[self._free_top - needed:self._free_top][::-1].copy()
         # The copy first: it writes only free blocks, so a failing copy changes no state.
-        kv_cache.copy_blocks(self._pools, self._upload(src), self._upload(dst))
+        kv_cache.copy_blocks([self._blocks_first], self._upload(src), self._upload(dst))
         self._free_top -= needed
         np.subtract.at(self._refcount, src[src != ZERO_BLOCK], 1)
         self._refcount[dst] = 1

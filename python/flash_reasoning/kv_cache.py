@@ -58,15 +58,17 @@ def append_launches(k_pool, v_pool, slots, k, v, arch: str) -> list[Launch]:
 
 def copy_blocks(pools: list[torch.Tensor], src_blocks: torch.Tensor,
                 dst_blocks: torch.Tensor) -> None:
-    """Copy whole blocks ``src_blocks[i] -> dst_blocks[i]`` in every pool (all layers, K and V).
+    """Copy whole blocks ``src_blocks[i] -> dst_blocks[i]`` in every pool of ``pools`` (each
+    indexed by block along dim 0, on one device: a layer's K or V pool, or a view of all of
+    them with the block dim first, copied in one gather and one scatter).
 
-    Used for copy-on-write; one gather/scatter per pool, on the pools' device.
+    Used for copy-on-write.
     """
     if src_blocks.numel() == 0:
         return
+    src = src_blocks.to(device=pools[0].device, dtype=torch.long)
+    dst = dst_blocks.to(device=pools[0].device, dtype=torch.long)
     for pool in pools:
-        src = src_blocks.to(device=pool.device, dtype=torch.long)
-        dst = dst_blocks.to(device=pool.device, dtype=torch.long)
         pool[dst] = pool[src]
 
 
