@@ -182,7 +182,7 @@ def parse_args(argv):
                         help="a tiny model on CPU, float32, short runs: the pipeline end to end")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.prompts, args.n, args.new_tokens = [24], [1, 3], 6
+        args.prompts, args.n, args.new_tokens = [24], [1, 3], 12  # 12: profile windows too
         args.dtype, args.init_std, args.fit_search = torch.float32, 0.4, False
         torch.set_num_threads(1)  # tiny matmuls: more threads only contend
     args.fit_search = args.fit_search or args.fit_only
@@ -236,7 +236,7 @@ def run_ours(model, prompt, n, new_tokens, first, share: bool):
     sync(device)
     prefill_s = time.perf_counter() - start
     out, marks, profiles = [torch.tensor(first, device=device)], [event(device)], {}
-    windows = profile_windows(new_tokens - 1) if device.type == "cuda" else {}
+    windows = profile_windows(new_tokens - 1)
 
     def decode_steps(count):
         for _ in range(count):
@@ -248,7 +248,7 @@ def run_ours(model, prompt, n, new_tokens, first, share: bool):
             marks.append(event(device))
         else:  # the loop's own graph replays, profiled; left out of the step times
             profiles[window] = kernel_profile(lambda: decode_steps(PROFILED_STEPS),
-                                              OUR_ATTENTION_KERNELS)
+                                              OUR_ATTENTION_KERNELS, device)
             marks.append(None)
             marks.append(event(device))
     sync(device)
@@ -257,7 +257,7 @@ def run_ours(model, prompt, n, new_tokens, first, share: bool):
                   kv_memory=cache.allocator.memory_report().to_dict(),
                   graph_captures=decoder.captures)
     result.update(profiles.get("median", NOT_PROFILED))
-    if "last" in profiles:
+    if profiles.get("last", NOT_PROFILED)["attention_ms_per_step"] is not None:
         result["attention_ms_last_steps"] = profiles["last"]["attention_ms_per_step"]
         result["attention_share_last_steps"] = profiles["last"]["attention_share_of_kernels"]
     return result, torch.stack(out, 1).cpu()
@@ -265,7 +265,8 @@ def run_ours(model, prompt, n, new_tokens, first, share: bool):
 
 def profile_windows(steps: int) -> dict:
     """The decode steps (by index) where :data:`PROFILED_STEPS` profiled steps start: at the
-    middle of the run (the median step's tree) and at its end (the longest leaves)."""
+    middle of the run (the median step's tree) and at its end (the longest leaves). Runs of
+    fewer than 11 tokens are not profiled."""
     if steps < 2 * PROFILED_STEPS + 4:  # too short to leave steps to time
         return {}
     return {steps // 2 - PROFILED_STEPS // 2: "median", steps - PROFILED_STEPS: "last"}
@@ -339,13 +340,17 @@ def attention_profile(step, tokens, names, device) -> dict:
     def steps():
         for _ in range(PROFILED_STEPS):
             tokens[0] = step(tokens[0])
-    return kernel_profile(steps, names)
+    return kernel_profile(steps, names, device)
 
 
-def kernel_profile(steps, names) -> dict:
+def kernel_profile(steps, names, device) -> dict:
     """GPU time per step in attention (kernels whose name holds one of ``names``) and in any
     kernel (overlapping kernels counted once: :func:`covered_us`) while ``steps()`` runs
-    :data:`PROFILED_STEPS` steps; the busiest kernels, to check the names."""
+    :data:`PROFILED_STEPS` steps; the busiest kernels, to check the names. On CPU it runs
+    them unprofiled."""
+    if device.type != "cuda":
+        steps()
+        return NOT_PROFILED
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         with torch.no_grad():

@@ -31,6 +31,8 @@ def test_smoke_run_writes_json_and_figure(tmp_path):
             assert row[path]["ok"] and row[path]["decode_tokens_per_s"] > 0, (path, row[path])
         assert row["tree_vs_transformers"]["identical"], row["tree_vs_transformers"]
         assert row["tree_vs_no_sharing"]["identical"], row["tree_vs_no_sharing"]
+        # 11 decode steps, two windows of profiled ones (unprofiled on CPU) left out.
+        assert row["tree"]["steps"] == 11 - 2 * bench.PROFILED_STEPS
     shared = report["results"][1]["tree"]["kv_memory"]
     copied = report["results"][1]["no_sharing"]["kv_memory"]
     assert shared["tokens_logical"] == copied["tokens_logical"]

@@ -8,6 +8,7 @@ pytest.importorskip("transformers")
 
 from transformers import DynamicCache
 
+from conftest import allocator_snapshot, assert_allocator_unchanged
 from flash_reasoning.hf import TreeCache
 from flash_reasoning.hf.models import random_model, twin
 
@@ -89,10 +90,15 @@ def test_a_refused_or_failed_regroup_changes_nothing(models, monkeypatch):
     kids = cache.fork(root, 3)
     cache.set_batch(kids)
     live = cache.allocator.live_branch_ids()
+    cache.begin_step(1)  # a step opened for a forward: a refused call keeps it too
+    before = allocator_snapshot(cache.allocator)
     with pytest.raises(ValueError, match="at least one row"):
         cache.regroup([])
     with pytest.raises(ValueError, match="must lie in \\[0, 2\\]"):
         cache.regroup([0, 3])
+    assert_allocator_unchanged(cache.allocator, before)
+    assert cache.step_kind == "decode"
+    cache.rollback()
     forks = []
     alloc = cache.allocator.alloc_branch
 

@@ -76,12 +76,26 @@ def captures_per_step(monkeypatch) -> list[int]:
 
 def test_beam_search_replays_one_graph_through_the_paged_backend(model, monkeypatch):
     """Its own cache reads each beam's path (paged): the tables' buffers outlive every
-    regroup, so the second step captures and every later one replays."""
-    eager = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=False)
+    regroup, so the second step captures and every later one replays; the beams are the
+    tree backend's (a plan per step, run eagerly)."""
+    tree = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=False,
+                       cache=TreeCache(model, 256, 4))
     captures = captures_per_step(monkeypatch)
     graphs = beam_search(model, prompt(), 3, 12, num_return_sequences=3, cuda_graphs=True)
-    assert torch.equal(eager.sequences, graphs.sequences)
+    assert torch.equal(tree.sequences, graphs.sequences)
     assert captures == [0] + [1] * (len(captures) - 1) and len(captures) > 5
+
+
+def test_paged_beams_past_the_tables_headroom_capture_again(model, monkeypatch):
+    """One-token blocks: 70 new tokens outgrow the tables' 64 columns of headroom, so the
+    buffers are made anew (an eager step) and captured once more."""
+    tree = beam_search(model, prompt(), 2, 70, cuda_graphs=False,
+                       cache=TreeCache(model, 1024, 1), early_stopping="never")
+    captures = captures_per_step(monkeypatch)
+    graphs = beam_search(model, prompt(), 2, 70, cuda_graphs=True, early_stopping="never",
+                         cache=TreeCache(model, 1024, 1, attention="paged"))
+    assert torch.equal(tree.sequences, graphs.sequences) and tree.sequences.shape[1] == 70
+    assert captures[-1] == 2
 
 
 def test_beam_search_over_a_tree_cache_captures_only_between_reshuffles(model, monkeypatch):

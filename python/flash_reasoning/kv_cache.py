@@ -64,7 +64,7 @@ def copy_blocks(pools: list[torch.Tensor], src_blocks: torch.Tensor,
 
     Used for copy-on-write.
     """
-    if src_blocks.numel() == 0:
+    if src_blocks.numel() == 0 or not pools:
         return
     src = src_blocks.to(device=pools[0].device, dtype=torch.long)
     dst = dst_blocks.to(device=pools[0].device, dtype=torch.long)

@@ -4,10 +4,11 @@ reordering are allocator operations (shared blocks, copy on write), never copies
 
 A forward through the model is one *step*: every row adds the same number of tokens. A step
 of one token per row is a decode step: one ``reserve`` for all layers, one ``write_slots``
-per layer, and attention through one :class:`TreeAttentionPlan` (or, for the no-sharing
-baseline, ``paged_decode``) that the step's layers share. A step of several tokens is an
-extend step (a prompt, a continuation): ``write`` per row and layer, attention by SDPA over
-each row's path (``attention.py``).
+per layer, and attention through one :class:`TreeAttentionPlan` (or, with
+``attention="paged"``, ``paged_decode`` over each row's path) that the step's layers share. A
+step of several tokens is an extend step (a prompt, a continuation): one ``reserve`` and one
+``write_slots`` per layer, attention by ``tree_attention`` with ``q_lens`` over stored paths
+or SDPA for a prompt (``attention.py``).
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def take_active(layer: int) -> TreeCache:
 
 
 #: Decode attention backends: ``tree`` reads each shared token once per step (the plan),
-#: ``paged`` reads every row's whole path (the no-sharing baseline, ``paged_decode``).
+#: ``paged`` reads every row's whole path (``paged_decode``: beam search's, whose tree
+#: changes every step, and the no-sharing baseline's).
 ATTENTION_BACKENDS = ("tree", "paged")
 
 
@@ -153,7 +155,6 @@ class TreeCache(Cache):
         keeps its branch, later ones fork it, and old rows no row names are freed. Beam
         search's reordering, with no KV copied (a shared partial last block is copied on
         its next write)."""
-        self._settle()
         old = self._rows
         picks = [as_int("source row", s) for s in sources]
         if not picks:  # would free every row: free() says so when that is meant
@@ -161,6 +162,7 @@ class TreeCache(Cache):
         bad = [s for s in picks if not 0 <= s < len(old)]
         if bad:
             raise ValueError(f"source rows must lie in [0, {len(old) - 1}], got {bad[0]}")
+        self._settle()
         rows, kept, forks = [], set(), []
         try:
             for source in picks:
@@ -486,8 +488,8 @@ class PagedDecodeAttention:
     """Decode attention by ``paged_decode`` over each row's whole path (no read shared), from
     tables held in fixed buffers (with headroom, like a plan's) so a CUDA graph can replay
     it after :meth:`prepare` refreshes them, whatever branches the rows hold: a fork, free or
-    regroup keeps the buffers while the row count holds. Holds the allocator, not the cache
-    (as above)."""
+    regroup keeps the buffers while the row count holds and the rows fit their headroom
+    (``TABLE_HEADROOM_BLOCKS``). Holds the allocator, not the cache (as above)."""
 
     def __init__(self, allocator: PhysicalKVAllocator, sm_scale: float) -> None:
         self.allocator, self.sm_scale = allocator, sm_scale
@@ -501,7 +503,7 @@ class PagedDecodeAttention:
             self.tables = torch.zeros(len(rows), tables.shape[1] + TABLE_HEADROOM_BLOCKS,
                                       dtype=torch.int32, device=tables.device)
             self.lengths = torch.empty_like(lengths)
-        self.tables[:, :tables.shape[1]].copy_(tables)  # columns past a row's length: unread
+        self.tables[:, :tables.shape[1]].copy_(tables)  # columns past a row's length: unused
         self.lengths.copy_(lengths)
         return self.tables
 

@@ -4,7 +4,8 @@ CUDA graph by default on CUDA: captured on the second step of a tree (the first 
 which also loads every kernel), replayed while the tree keeps its shape (the plan's buffers
 and the slots' buffer are fixed; the plan is refreshed before each replay), captured again
 when the tree changes (a fork, free or prune: a new plan). A paged cache's tables keep their
-buffers while the row count holds: its graph outlives such changes.
+buffers while the row count holds and the rows fit their headroom: its graph outlives such
+changes.
 """
 from __future__ import annotations
 

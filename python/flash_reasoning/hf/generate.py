@@ -162,10 +162,11 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
     prompt prefilled once and each step's beams made by forking and freeing branches. It frees
     its branches when it returns: a ``cache`` passed in holds what it held before.
 
-    The beams' tree changes every step, and a tree plan made anew each step runs eagerly, so
-    the cache it makes reads each beam's path with ``attention="paged"`` (storage still
-    shared), whose decode steps replay one CUDA graph; pass a ``TreeCache(...,
-    attention="tree")`` to read the shared prompt once per step instead (eager steps)."""
+    The beams' tree changes almost every step, and a tree plan made anew runs eagerly, so the
+    cache it makes reads each beam's path with ``attention="paged"`` (storage still shared),
+    whose decode steps replay one CUDA graph (captured again only when the beams outgrow
+    their tables' headroom); pass a ``TreeCache(..., attention="tree")`` to read the shared
+    prompt once per step instead (an eager step after each reshuffle)."""
     check_enabled(model)
     prompt = _prompt(model, prompt)
     k = as_int("num_beams", num_beams, low=1)
