@@ -2,6 +2,7 @@
 agree, the tree path stores the shared prompt once, and the JSON and figure are written."""
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,6 +40,16 @@ def test_smoke_run_writes_json_and_figure(tmp_path):
     assert shared["tokens_physical"] < copied["tokens_physical"] == copied["tokens_logical"]
     if importlib.util.find_spec("matplotlib"):
         assert fig.stat().st_size > 0
+
+
+def test_beam_search_benchmark_smoke_run(tmp_path):
+    bench = load_benchmark("beam_search")
+    out = tmp_path / "beam.json"
+    assert bench.main(["--smoke", "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["results"]
+    assert (row["prompt"], row["k"]) == (24, 3)
+    for path in ("sample_graphs", "beam_paged_graphs", "beam_tree"):
+        assert math.isfinite(row[f"{path}_ms_per_step"]), row
 
 
 def test_covered_time_counts_overlapping_kernels_once():
