@@ -90,7 +90,7 @@ def parse_args(argv):
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model on CPU, float32, short runs: the pipeline end to end")
     args = parser.parse_args(argv)
-    args.dtype, args.init_std, args.n = torch.bfloat16, 0.02, None
+    args.dtype, args.init_std = torch.bfloat16, 0.02
     if args.smoke:
         args.cases, args.new_tokens = [(24, 3)], 6
         args.dtype, args.init_std = torch.float32, 0.4

@@ -99,8 +99,7 @@ def sample(model, prompt: Sequence[int] | torch.Tensor, n: int, max_new_tokens: 
     n = as_int("n", n, low=1)
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, low=1)
     sampling = sampling or Sampling()
-    eos = eos_ids(eos_token_id, vocab_size(model))
-    pad_token_id = None if pad_token_id is None else as_int("pad_token_id", pad_token_id)
+    eos, pad_token_id = _stop_tokens(model, eos_token_id, pad_token_id)
     if first_tokens is not None:
         first_tokens = token_ids("first_tokens", first_tokens, vocab_size(model))
         if first_tokens.numel() != n:
@@ -175,8 +174,7 @@ def beam_search(model, prompt: Sequence[int] | torch.Tensor, num_beams: int,
         raise ValueError(f"num_return_sequences must lie in [1, {k}], got {num_return_sequences}")
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
-    eos = eos_ids(eos_token_id, vocab_size(model))
-    pad_token_id = None if pad_token_id is None else as_int("pad_token_id", pad_token_id)
+    eos, pad_token_id = _stop_tokens(model, eos_token_id, pad_token_id)
     if cache is None:
         cache = TreeCache(model, blocks_for(prompt.numel(), k, max_new_tokens), BLOCK_SIZE,
                           attention="paged")
@@ -536,7 +534,7 @@ def _new_branches_freed(cache: TreeCache, *, on_success: bool = False):
     before = set(cache.allocator.live_branch_ids())
 
     def free_new():
-        for branch_id in set(cache.allocator.live_branch_ids()) - before:
+        for branch_id in sorted(set(cache.allocator.live_branch_ids()) - before):
             cache.free(branch_id)
     try:
         yield
@@ -545,6 +543,12 @@ def _new_branches_freed(cache: TreeCache, *, on_success: bool = False):
         raise
     if on_success:
         free_new()
+
+
+def _stop_tokens(model, eos_token_id, pad_token_id) -> tuple[torch.Tensor | None, int | None]:
+    """The EOS ids (checked against the vocabulary) and the pad id (an int), or None each."""
+    pad = None if pad_token_id is None else as_int("pad_token_id", pad_token_id)
+    return eos_ids(eos_token_id, vocab_size(model)), pad
 
 
 def _prompt(model, prompt) -> torch.Tensor:
