@@ -18,8 +18,9 @@ ARCHS = ("sm80", "sm89", "sm90")
 DECODE_TILE_CANDIDATES = ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
                           (128, 4, 2), (64, 8, 2))
 WIDE_TILE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))
-#: head_dim 256 keeps its one config: its larger tiles overflow shared memory in several.
-CANDIDATE_HEAD_DIMS = (64, 128)
+#: Every head_dim; a candidate whose tiles overflow an arch's shared memory is left out
+#: (:func:`fits_shared_memory`).
+CANDIDATE_HEAD_DIMS = (64, 128, 256)
 #: Opt-in shared memory per block (bytes) of each arch: the candidates' estimate must fit, and
 #: the build refuses a compiled kernel above it (it could not launch there).
 MAX_SHARED = {"sm80": 163 << 10, "sm89": 99 << 10, "sm90": 227 << 10}
