@@ -114,8 +114,7 @@ LONG_RANGE_CONFIG = (64, 4, 2)
 #: pipeline (one range of 2048 tokens: 50.7 us at 64/4/3, 60.7 at 64/4/2).
 FEW_PROGRAMS_CONFIG = (64, 4, 3)
 #: head_dim 256 on archs without a table for it: eight warps for its accumulator (not measured
-#: there; sm90's table, measured on an H200, picks four warps and 32-token tiles where many
-#: programs share an SM).
+#: there; sm90's table, measured on an H200, walks the 64-row tile at four warps).
 HEAD_DIM_256_CONFIG = (64, 8, 2)
 #: Packed final programs walk several short ranges side by side: a 64-token tile shared by the
 #: lanes, two warps; head_dim 256 a 32-token tile, four warps (H100, 256 leaves of 64 tokens x
