@@ -67,6 +67,11 @@ def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     return torch.full_like(t, float("nan"))
 
 
+def every_pool(alloc):
+    """The allocator's K and V pools of every layer."""
+    return (*alloc.k_pools, *alloc.v_pools)
+
+
 def allocator_snapshot(alloc):
     """Everything the allocator holds, to check that a failed call changed nothing."""
     arrays = {name: getattr(alloc, name).copy() for name in
@@ -75,7 +80,7 @@ def allocator_snapshot(alloc):
             dict(alloc._live_parent), {b: set(c) for b, c in alloc._live_children.items()},
             alloc._free_rows[:alloc._free_rows_top].tolist(), alloc.tree_version,
             alloc.table_version, alloc.memory_report())
-    pools = [p.clone() for p in (*alloc.k_pools, *alloc.v_pools)]
+    pools = [p.clone() for p in every_pool(alloc)]
     return arrays, rest, pools
 
 

@@ -14,7 +14,14 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conftest import GPU_MARKS, HAS_GPU, allocator_snapshot, assert_allocator_unchanged, gpu
+from conftest import (
+    GPU_MARKS,
+    HAS_GPU,
+    allocator_snapshot,
+    assert_allocator_unchanged,
+    every_pool,
+    gpu,
+)
 from flash_reasoning import StalePlan, TreeAttentionPlan, reference
 from flash_reasoning.allocator import (
     MAX_TOKENS,
@@ -74,7 +81,7 @@ def check_invariants(alloc, model_lengths):
     assert report.blocks_used + report.blocks_free == report.blocks_total
     assert report.tokens_logical == sum(model_lengths.values())
     assert report.bytes_saved == report.bytes_separate - report.bytes_used
-    for pool in (*alloc.k_pools, *alloc.v_pools):
+    for pool in every_pool(alloc):
         assert not pool[ZERO_BLOCK].any()
 
 
@@ -868,7 +875,7 @@ def test_writes_never_attach_the_pools_to_autograd(device):
     alloc.write(root, 0, k, v)
     kid = alloc.alloc_branch(5, root).branch_id
     alloc.append([root, kid], 0, k[:2] * 2, v[:2])  # copy on write of the shared block
-    for pool in (*alloc.k_pools, *alloc.v_pools):
+    for pool in every_pool(alloc):
         assert not pool.requires_grad and pool.grad_fn is None
     assert gathered_any(alloc, kid, 0)[0][:, 0, 0].tolist() == [1, 2, 3, 4, 5, 4]
 

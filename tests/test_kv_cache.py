@@ -87,20 +87,21 @@ def test_write_slots_never_attaches_the_pools_to_autograd(device):
     assert torch.equal(k_pool.cpu(), k_ref.cpu()) and torch.equal(v_pool.cpu(), v_ref.cpu())
 
 
-def test_copy_blocks_copies_every_pool():
-    pools = list(_pools(torch.float16))
-    before = [p.clone() for p in pools]
-    kv_cache.copy_blocks(pools, torch.tensor([0, 3]), torch.tensor([5, 1]))
-    for pool, old in zip(pools, before):
-        assert torch.equal(pool[5], old[0]) and torch.equal(pool[1], old[3])
-        assert torch.equal(pool[2], old[2])
+def test_copy_blocks_copies_whole_blocks_of_one_pool():
+    k_pool, v_pool = _pools(torch.float16)
+    k_before, v_before = k_pool.clone(), v_pool.clone()
+    kv_cache.copy_blocks(k_pool, torch.tensor([0, 3]), torch.tensor([5, 1]))
+    assert torch.equal(k_pool[5], k_before[0]) and torch.equal(k_pool[1], k_before[3])
+    assert torch.equal(k_pool[2], k_before[2]) and torch.equal(v_pool, v_before)
+    kv_cache.copy_blocks(k_pool, torch.tensor([], dtype=torch.long), torch.tensor([]))
+    assert torch.equal(k_pool[2], k_before[2])
 
 
 def test_copy_blocks_through_a_blocks_first_view_copies_every_layer():
     """The allocator's form: one view of all layers' K and V pools, blocks first."""
     kv = torch.randn(3, 2, 6, 4, 2, 8)  # layers, K/V, blocks, block_size, heads, dim
     before = kv.clone()
-    kv_cache.copy_blocks([kv.transpose(0, 2)], torch.tensor([0, 3]), torch.tensor([5, 1]))
+    kv_cache.copy_blocks(kv.transpose(0, 2), torch.tensor([0, 3]), torch.tensor([5, 1]))
     assert torch.equal(kv[:, :, 5], before[:, :, 0]) and torch.equal(kv[:, :, 1], before[:, :, 3])
     for kept in (0, 2, 3, 4):
         assert torch.equal(kv[:, :, kept], before[:, :, kept])

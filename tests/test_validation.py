@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import allocator_snapshot, assert_allocator_unchanged, gpu, poisoned_like, same_bits
+from conftest import (
+    allocator_snapshot,
+    assert_allocator_unchanged,
+    every_pool,
+    gpu,
+    poisoned_like,
+    same_bits,
+)
 from flash_reasoning import (
     PhysicalKVAllocator,
     TreeAttentionPlan,
@@ -273,8 +280,7 @@ def same_contents(a: PhysicalKVAllocator, b: PhysicalKVAllocator) -> bool:
         ids = alloc.live_branch_ids()
         tables, lengths = alloc.block_tables(ids)
         return [reference.gather_sequence(pool, tables[i], int(n))
-                for pool in (*alloc.k_pools, *alloc.v_pools)
-                for i, n in enumerate(lengths.tolist())]
+                for pool in every_pool(alloc) for i, n in enumerate(lengths.tolist())]
     return all(same_bits(x, y) for x, y in zip(contents(a), contents(b), strict=True))
 
 

@@ -660,7 +660,7 @@ class PhysicalKVAllocator:
         src = blocks[copy]
         dst = self._free[self._free_top - needed:self._free_top][::-1].copy()
         # The copy first: it writes only free blocks, so a failing copy changes no state.
-        kv_cache.copy_blocks([self._blocks_first], self._upload(src), self._upload(dst))
+        kv_cache.copy_blocks(self._blocks_first, self._upload(src), self._upload(dst))
         self._free_top -= needed
         np.subtract.at(self._refcount, src[src != ZERO_BLOCK], 1)
         self._refcount[dst] = 1

@@ -56,20 +56,15 @@ def append_launches(k_pool, v_pool, slots, k, v, arch: str) -> list[Launch]:
     return runtime.core_launches(listed, arch, pointers, None)
 
 
-def copy_blocks(pools: list[torch.Tensor], src_blocks: torch.Tensor,
-                dst_blocks: torch.Tensor) -> None:
-    """Copy whole blocks ``src_blocks[i] -> dst_blocks[i]`` in every pool of ``pools`` (each
-    indexed by block along dim 0, on one device: a layer's K or V pool, or a view of all of
-    them with the block dim first, copied in one gather and one scatter).
-
-    Used for copy-on-write.
-    """
-    if src_blocks.numel() == 0 or not pools:
+def copy_blocks(blocks: torch.Tensor, src_blocks: torch.Tensor, dst_blocks: torch.Tensor) -> None:
+    """Copy whole blocks ``src_blocks[i] -> dst_blocks[i]`` of ``blocks``, indexed by block
+    along dim 0: one pool, or the allocator's view of every layer's K and V pools with the block
+    dim first (one gather and one scatter for all of them). Used for copy-on-write."""
+    if src_blocks.numel() == 0:
         return
-    src = src_blocks.to(device=pools[0].device, dtype=torch.long)
-    dst = dst_blocks.to(device=pools[0].device, dtype=torch.long)
-    for pool in pools:
-        pool[dst] = pool[src]
+    src = src_blocks.to(device=blocks.device, dtype=torch.long)
+    dst = dst_blocks.to(device=blocks.device, dtype=torch.long)
+    blocks[dst] = blocks[src]
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
