@@ -75,7 +75,7 @@ def distinct_plans(alloc, leaves, q, num_qo_heads, knobs=KNOBS):
         for value in values:
             try:
                 plan = forced_plan(alloc, leaves, num_qo_heads, option, value)
-            except ValueError:  # a value the plan cannot take (lanes past the tile, say)
+            except (ValueError, RuntimeError):  # a value it cannot take (lanes past the tile)
                 continue
             key = signature(plan, q)
             if key not in seen:

@@ -249,6 +249,31 @@ def test_final_lanes_pack_branches_while_programs_remain(branches, heads, kv_hea
             plan_for(alloc, ids, heads, final_lanes=bad)
 
 
+@pytest.mark.parametrize("longest, lanes", [
+    (16, 16),   # sixteen lanes of 16 tokens: a walk of 4 tiles
+    (64, 16),   # one leaf of 64 tokens: 16 tiles, the most a packed walk may take
+    (80, 8),    # 20 tiles at sixteen lanes: halved
+    (250, 4),   # 16 tiles at four lanes
+    (300, 1),   # 19 tiles at four: two lanes are never taken
+])
+def test_final_lanes_stop_where_the_longest_final_range_walks_too_far(longest, lanes):
+    """A packed program walks its lanes' final ranges side by side: lanes are halved until the
+    longest final range takes at most kPackedWalkTiles (16) KV tiles, one lane below four."""
+    alloc = PhysicalKVAllocator(1024, 16, 32, 64, device="cpu")
+    roots = [alloc.alloc_branch(256).branch_id for _ in range(2)]
+    ids = [alloc.alloc_branch(256 + (longest if i == 0 else 16), parent_branch_id=roots[i % 2],
+                              fork_position=256).branch_id for i in range(256)]
+    arrays = plan_for(alloc, ids, 32, separate_merge=False, flat=False)[1]
+    assert arrays.stats["computed_nodes"] == 2
+    assert arrays.final_lanes == lanes
+
+
+def test_a_step_costs_less_below_head_dim_128():
+    """The cost model prices a KV tile's step in proportion to head_dim below 128, alike above."""
+    from flash_reasoning import _core
+    assert [_core.step_us(d) for d in (64, 128, 256)] == pytest.approx([0.6, 1.2, 1.2])
+
+
 @pytest.mark.parametrize("name, lanes, programs", [
     ("seed_b128/q32kv8", 4, 256),   # 2 lanes (by programs per SM) would leave 512
     ("seed_b64/q32kv32", 8, 256),   # not 4
@@ -386,12 +411,12 @@ def test_final_waves_count_the_programs_each_kernel_fits(lanes, resident):
 
 
 def test_lanes_do_not_apply_to_separate_merges():
-    alloc = PhysicalKVAllocator(600, 16, 8, 64, device="cpu")
-    root = alloc.alloc_branch(256).branch_id
-    ids = [alloc.alloc_branch(300, parent_branch_id=root, fork_position=256).branch_id
+    alloc = PhysicalKVAllocator(1100, 16, 8, 64, device="cpu")
+    root = alloc.alloc_branch(512).branch_id
+    ids = [alloc.alloc_branch(556, parent_branch_id=root, fork_position=512).branch_id
            for _ in range(256)]
     assert plan_for(alloc, ids, 32, separate_merge=True, flat=False)[1].final_lanes == 1
-    # A 256-token root estimated to outlast its leaves of 44 tokens: the wide final tile's 8.
+    # A 512-token root estimated to outlast its leaves of 44 tokens: the wide final tile's 8.
     assert plan_for(alloc, ids, 32, separate_merge=False, flat=False)[1].final_lanes == 8
 
 

@@ -220,7 +220,9 @@ enum ItemField {
 static_assert(kItemFields == kTreeItemFields.size(), "ItemField follows kTreeItemFields");
 static_assert(kMaxItemRuns == 2, "an item record holds one run_split: two runs at most");
 
-double launch_us(double steps, double bytes) { return kLaunchUs + std::max(steps * kStepUs, bytes / kBytesPerUs); }
+double launch_us(double steps, double bytes, const PlanShape& shape) {
+  return kLaunchUs + std::max(steps * step_us(shape.head_dim), bytes / kBytesPerUs);
+}
 
 // A partial launch's serial steps: its longest program's KV tiles times its waves (kWaves
 // programs per SM), each step of the wide tile kWideStepFactor.
@@ -239,7 +241,7 @@ double partial_launch_us(const ItemList& list, const SegmentTree& t, const PlanS
     if (r[kFirstFlatRow] == 0) tokens += length;  // a chunk's first tile
   }
   return launch_us(partial_steps(longest, list.count() * shape.num_kv_heads, list.block_m > shape.block_ms[0], shape),
-                   double(tokens * shape.kv_bytes_per_token()));
+                   double(tokens * shape.kv_bytes_per_token()), shape);
 }
 
 // The longest serial walk of a last-launch program, and the KV tokens the launch reads
@@ -274,10 +276,10 @@ double last_launch_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
   double partial_bytes = double(p.num_entries) * double(shape.partial_bytes_per_row()) / 2;  // read once
   int64_t tokens = 0;
   int64_t walk = last_launch_walk(p, t, &tokens);
-  if (p.separate_merge) return launch_us(double(walk), partial_bytes);
+  if (p.separate_merge) return launch_us(double(walk), partial_bytes, shape);
   int64_t programs = ceil_div(t.num_rows(), p.final_lanes) * shape.final_tiles();
   int64_t waves = ceil_div(programs, final_programs_per_sm(p.final_lanes) * shape.num_sms);
-  return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes);
+  return launch_us(double(walk * waves), double(tokens * shape.kv_bytes_per_token()) + partial_bytes, shape);
 }
 
 // The tokens query tile `tile` (a record) walks: its lanes' shared tokens once, then each lane's
@@ -297,13 +299,13 @@ double query_tiles_us(const Plan& p, const SegmentTree& t, const PlanShape& shap
   for (size_t i = 0; i < p.query_tiles.size(); i += kQueryTileFields.size())
     longest = std::max(longest, query_tile_walk(t, &p.query_tiles[i]));
   return launch_us(partial_steps(ceil_div(longest, kChunkAlign), tiles * shape.num_kv_heads, true, shape),
-                   double(t.unique_tokens()) * double(shape.kv_bytes_per_token()));
+                   double(t.unique_tokens()) * double(shape.kv_bytes_per_token()), shape);
 }
 
 // Whether a flat plan could beat `estimate`: it reads every branch's whole path, in one launch
 // at least.
 bool flat_may_win(const SegmentTree& t, const PlanShape& shape, double estimate) {
-  return launch_us(0, double(t.logical_tokens()) * double(shape.kv_bytes_per_token())) < estimate;
+  return launch_us(0, double(t.logical_tokens()) * double(shape.kv_bytes_per_token()), shape) < estimate;
 }
 
 // The tree_partial records of each row tile: one per (chunk, tile).
@@ -363,21 +365,26 @@ bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t fina
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
 }
 
-int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool root_outlasts_leaves) {
+int64_t final_lanes(int64_t rows, int64_t longest_final, const PlanShape& shape, bool beside_root,
+                    bool root_outlasts_leaves) {
   auto programs = [&](int64_t lanes) { return ceil_div(rows, lanes) * shape.final_tiles(); };
   int64_t lanes = 1;
   for (int64_t packed = kMinPackedLanes;
        packed <= shape.max_final_lanes() && programs(packed) >= kMinFinalProgramsPerSm * shape.num_sms; packed *= 2)
     lanes = packed;
-  if (!beside_root || lanes == 1) return lanes;
-  int64_t most = root_outlasts_leaves ? shape.max_wide_final_lanes() : shape.max_final_lanes();
-  while (lanes * 2 <= most && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms) lanes *= 2;
-  return lanes;
+  if (beside_root && lanes > 1) {
+    int64_t most = root_outlasts_leaves ? shape.max_wide_final_lanes() : shape.max_final_lanes();
+    while (lanes * 2 <= most && programs(lanes) > kPackedFinalsBesideRoot * shape.num_sms) lanes *= 2;
+  }
+  while (lanes > 1 && ceil_div(longest_final * lanes, kChunkAlign) > kPackedWalkTiles) lanes /= 2;
+  return lanes < kMinPackedLanes ? 1 : lanes;
 }
 
 int64_t final_programs_per_sm(int64_t final_lanes) {
   return final_lanes > 1 ? kPackedFinalProgramsPerSm : kFinalProgramsPerSm;
 }
+
+double step_us(int64_t head_dim) { return kStepUs * std::min(1.0, double(head_dim) / double(kStepHeadDim)); }
 
 bool final_starts_early(bool separate_merge) { return !separate_merge; }
 
@@ -395,8 +402,9 @@ int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_
 bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile,
                           int64_t leaf_tokens, const PlanShape& shape) {
   double bytes_per_token = double(shape.kv_bytes_per_token());
-  return launch_us(0, double(leaf_tokens) * bytes_per_token) >
-         launch_us(partial_steps(root_tiles, root_programs, wide_tile, shape), double(root_tokens) * bytes_per_token);
+  return launch_us(0, double(leaf_tokens) * bytes_per_token, shape) >
+         launch_us(partial_steps(root_tiles, root_programs, wide_tile, shape), double(root_tokens) * bytes_per_token,
+                   shape);
 }
 
 namespace {
@@ -569,9 +577,12 @@ bool root_outlasts_leaves(const Plan& plan, const SegmentTree& tree, const PlanS
 // outlast for the wide tile.
 int64_t planned_lanes(Plan& plan, const SegmentTree& tree, const PlanShape& shape, int64_t num_computed) {
   bool beside = lone_root_beside(plan, num_computed, shape);
-  plan.final_lanes = final_lanes(tree.num_rows(), shape, beside, false);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < tree.num_rows(); ++b)
+    longest = std::max<int64_t>(longest, tree.lengths[b] - plan.final_start[b]);
+  plan.final_lanes = final_lanes(tree.num_rows(), longest, shape, beside, false);
   bool outlasts = beside && plan.final_lanes == shape.max_final_lanes() && root_outlasts_leaves(plan, tree, shape);
-  return outlasts ? final_lanes(tree.num_rows(), shape, true, true) : plan.final_lanes;
+  return outlasts ? final_lanes(tree.num_rows(), longest, shape, true, true) : plan.final_lanes;
 }
 
 // The range each packed final program's lanes share at the start of their final ranges: from

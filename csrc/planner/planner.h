@@ -92,6 +92,8 @@ constexpr double kMergeInFinalProgramsPerSm = 0.75;
 // kept on the tree plan and 1-2 us slower there).
 constexpr double kLaunchUs = 5.0;
 constexpr double kStepUs = 1.2;
+// ... at this head_dim and above (step_us()).
+constexpr int64_t kStepHeadDim = 128;
 constexpr double kWideStepFactor = 2.0;  // a 64-row tile's step (4x a 16-row tile's MMA work)
 constexpr double kBytesPerUs = 3.0e6;    // HBM copy bandwidth
 // Final-kernel programs resident per SM, by registers and shared memory (ncu, H100): 6 of the
@@ -128,6 +130,15 @@ constexpr int64_t kPackedFinalsBesideRoot = 2;
 // root computes. Where the leaves outweigh the root, the wider programs' longer walks lose
 // (H100: seed_b256/q32kv8 60.4 -> 50.4 us at 8 lanes; ft_1,256/q32kv8
 // 28.9 -> 29.5, seed_b256/q32kv32 121.1 -> 128.0, ft_1,256/q32kv32 63.0 -> 72.3).
+// ... and whatever the rules above take, a packed program walks its lanes' final ranges side by
+// side (kChunkAlign / lanes tokens of each a tile) until its longest is done: lanes are halved
+// until the longest final range takes at most this many tiles, and one lane is left below
+// kMinPackedLanes. Past it one long leaf among short ones idles the other lanes, and few
+// programs of long walks leave HBM idle (H200, 86 family and cases-file trees that pack lanes:
+// 1.27x their best lane count's time under the rules above, 1.01x capped at 16 tiles, 12 or 20
+// no better; random_tree_4/q32kv32d64 400.1 -> 96.3 us at one lane; seed_b256/q32kv32, 16 tiles
+// at 16 lanes, 95.4 us against 105 at 8).
+constexpr int64_t kPackedWalkTiles = 16;
 // The last launch starts at the (last) partial launch's programs' start, not after their walks,
 // where it has work of its own before it waits: a final program walks its branches' final
 // ranges while partial programs still run, and waits only before its merge. tree_merge has
@@ -396,12 +407,21 @@ int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_
 // waves, the wide tile's factor) or its own bytes, cut for kLoneRootWaves.
 bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile,
                           int64_t leaf_tokens, const PlanShape& shape);
+// estimated_us()'s serial step at `head_dim`: kStepUs, scaled down in proportion below
+// kStepHeadDim, where a step's loads and MMAs shrink with the head. Priced alike, a head_dim 64
+// tree plan read at 0.45x its estimate against 0.70x for flat plans, so the planner ran flat 15
+// family trees whose tree plans were faster (H200: random_tree_9/q12kv2d64 72.2 us flat, 29.1 as a
+// tree). Above it no scale held: head_dim 256 tree plans were priced low on some trees and
+// high on others (H200: doubled, random_tree_249/q8kv1d256 went flat, 40.8 -> 64.7 us).
+double step_us(int64_t head_dim);
 // `final_programs`: the final launch's programs at one lane (rows x PlanShape::final_tiles()).
 bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t final_programs, int64_t num_sms);
-// Branches per final-kernel program; `beside_root`: the plan's partial launch is a lone root of
-// at most one program per SM (kPackedFinalsBesideRoot); `root_outlasts_leaves`: that launch is
-// estimated to take longer than the final launch at the narrow tile's lanes (the wide tile).
-int64_t final_lanes(int64_t rows, const PlanShape& shape, bool beside_root, bool root_outlasts_leaves);
+// Branches per final-kernel program; `longest_final`: the longest final range's tokens
+// (kPackedWalkTiles); `beside_root`: the plan's partial launch is a lone root of at most one
+// program per SM (kPackedFinalsBesideRoot); `root_outlasts_leaves`: that launch is estimated to
+// take longer than the final launch at the narrow tile's lanes (the wide tile).
+int64_t final_lanes(int64_t rows, int64_t longest_final, const PlanShape& shape, bool beside_root,
+                    bool root_outlasts_leaves);
 // Final-kernel programs resident per SM at `final_lanes` lanes (the packed kernel from 2).
 int64_t final_programs_per_sm(int64_t final_lanes);
 bool final_starts_early(bool separate_merge);

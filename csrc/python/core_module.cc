@@ -483,6 +483,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("final_programs_per_sm", &fr::final_programs_per_sm, py::arg("final_lanes"),
         "Final-kernel programs the cost model counts resident per SM at `final_lanes` lanes "
         "(csrc/core/planner.h).");
+  m.def("step_us", &fr::step_us, py::arg("head_dim"),
+        "The cost model's serial step (a program's KV tile) at `head_dim`, in us (csrc/core/planner.h).");
   m.def(
       "leaves_outweigh_root",
       [](int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile, int64_t leaf_tokens,
