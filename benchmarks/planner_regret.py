@@ -16,6 +16,7 @@ import sys
 import torch
 
 from flash_reasoning import TreeAttentionPlan
+from flash_reasoning._core import CoreError
 from flash_reasoning.planner import PlanOptions
 from flash_reasoning.tools import bench, timing
 
@@ -75,7 +76,7 @@ def distinct_plans(alloc, leaves, q, num_qo_heads, knobs=KNOBS):
         for value in values:
             try:
                 plan = forced_plan(alloc, leaves, num_qo_heads, option, value)
-            except (ValueError, RuntimeError):  # a value it cannot take (lanes past the tile)
+            except (ValueError, CoreError):  # a value it cannot take (lanes past the tile)
                 continue
             key = signature(plan, q)
             if key not in seen:

@@ -469,22 +469,22 @@ PYBIND11_MODULE(_core, m) {
   m.def("item_runs", &item_runs, py::arg("records"), py::arg("final_start"), py::arg("tables"), py::arg("rows"),
         py::arg("block_size"),
         "The runs of consecutive slots one launch's items lie in (1 or 2; 0: the page kernels), writing each "
-        "item's run_split when 2 (csrc/core/planner.h); branch i's block table is tables[rows[i]], read in place.");
+        "item's run_split when 2 (csrc/planner/planner.h); branch i's block table is tables[rows[i]], read in place.");
   m.attr("MAX_ITEM_RUNS") = fr::kMaxItemRuns;
   m.def("heads_first_order", &fr::heads_first_order, py::arg("planned_lengths"), py::arg("items"),
         py::arg("num_kv_heads"), py::arg("num_sms"),
         "Whether a partial launch of `items` items (of these planned lengths, one per chunk) x `num_kv_heads` "
-        "runs each item's KV heads together (csrc/core/planner.h).");
+        "runs each item's KV heads together (csrc/planner/planner.h).");
   m.def("final_heads_first", &fr::final_heads_first, py::arg("final_lanes"), py::arg("has_common"),
         py::arg("final_programs"), py::arg("kv_row_bytes"),
         "Whether a final launch of `final_programs` programs of `final_lanes` branches (reading shared ranges "
         "or not) over token rows of `kv_row_bytes` (a token's K across the KV heads) runs each program's KV "
-        "heads together (csrc/core/planner.h).");
+        "heads together (csrc/planner/planner.h).");
   m.def("final_programs_per_sm", &fr::final_programs_per_sm, py::arg("final_lanes"),
         "Final-kernel programs the cost model counts resident per SM at `final_lanes` lanes "
-        "(csrc/core/planner.h).");
+        "(csrc/planner/planner.h).");
   m.def("step_us", &fr::step_us, py::arg("head_dim"),
-        "The cost model's serial step (a program's KV tile) at `head_dim`, in us (csrc/core/planner.h).");
+        "The cost model's serial step (a program's KV tile) at `head_dim`, in us (csrc/planner/planner.h).");
   m.def(
       "leaves_outweigh_root",
       [](int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile, int64_t leaf_tokens,
@@ -497,7 +497,7 @@ PYBIND11_MODULE(_core, m) {
       py::arg("root_tokens"), py::arg("root_tiles"), py::arg("root_programs"), py::arg("wide_tile"),
       py::arg("leaf_tokens"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("dtype_bytes"), py::arg("num_sms"),
       "Whether a lone root's leaves take longer to read than the root takes, by the cost model's terms "
-      "(csrc/core/planner.h).");
+      "(csrc/planner/planner.h).");
   m.attr("HEADS_FIRST_LENGTH_RATIO") = fr::kHeadsFirstLengthRatio;
   m.attr("HEADS_FIRST_PROGRAMS_PER_SM") = fr::kHeadsFirstProgramsPerSm;
   m.attr("TREE_ITEM_FIELDS") =
