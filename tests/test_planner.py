@@ -268,6 +268,24 @@ def test_final_lanes_stop_where_the_longest_final_range_walks_too_far(longest, l
     assert arrays.final_lanes == lanes
 
 
+@pytest.mark.parametrize("other_leaves, final_tokens", [
+    (32, 256),     # 32x the mean: cut at kMinChunkTokens (twice the mean, 95, is shorter)
+    (1024, 1024),  # even leaves: none is cut, however long
+])
+def test_a_final_range_far_longer_than_the_mean_is_cut(other_leaves, final_tokens):
+    """Final ranges are cut at the chunk length, or at kFinalChunkMeanRatio (2) times their
+    mean where that is shorter (kMinChunkTokens = 256 at least): one long leaf among short ones
+    becomes partial items and a short final range, not one final program's long walk."""
+    alloc = PhysicalKVAllocator(5300, 16, 8, 128, device="cpu")
+    root = alloc.alloc_branch(16384).branch_id
+    ids = [alloc.alloc_branch(16384 + (1024 if i == 0 else other_leaves), parent_branch_id=root,
+                              fork_position=16384).branch_id for i in range(64)]
+    tree, arrays = plan_for(alloc, ids, 32, separate_merge=False, flat=False)
+    assert arrays.stats["chunk_tokens"] > 1536  # the root's chunks would leave 1024 whole
+    assert (tree.lengths - arrays.final_start).max() == final_tokens
+    check_plan(tree, arrays, 4)
+
+
 def test_a_step_costs_less_below_head_dim_128():
     """The cost model prices a KV tile's step in proportion to head_dim below 128, alike above."""
     from flash_reasoning import _core

@@ -32,12 +32,16 @@ int64_t chunk_tokens(const std::vector<int64_t>& programs, const std::vector<int
   return std::max(min_tokens, ceil_div(work, std::max<int64_t>(1, target_programs)));
 }
 
-// Each range's chunk length and number of pieces at `target` tokens per chunk.
-void cut_ranges(const std::vector<int64_t>& length, int64_t target, std::vector<int64_t>* step,
+// Each range's chunk length and number of pieces at `target` tokens per chunk, the final ranges
+// (from `num_computed` on) at final_chunk_tokens().
+void cut_ranges(const std::vector<int64_t>& length, size_t num_computed, int64_t target, std::vector<int64_t>* step,
                 std::vector<int64_t>* pieces) {
   step->resize(length.size()), pieces->resize(length.size());
+  int64_t final_tokens = 0;
+  for (size_t k = num_computed; k < length.size(); ++k) final_tokens += length[k];
+  int64_t final_target = final_chunk_tokens(target, final_tokens, int64_t(length.size() - num_computed));
   for (size_t k = 0; k < length.size(); ++k) {
-    (*step)[k] = chunk_length(length[k], target);
+    (*step)[k] = chunk_length(length[k], k < num_computed ? target : final_target);
     (*pieces)[k] = std::max<int64_t>(1, ceil_div(length[k], (*step)[k]));
   }
 }
@@ -360,6 +364,11 @@ int64_t chunk_length(int64_t length, int64_t target) {
   return std::max(kChunkAlign, ceil_div(per_piece, kChunkAlign) * kChunkAlign);
 }
 
+int64_t final_chunk_tokens(int64_t chunk_tokens, int64_t final_tokens, int64_t final_ranges) {
+  if (final_ranges < 1) return chunk_tokens;
+  return std::min(chunk_tokens, std::max(kMinChunkTokens, kFinalChunkMeanRatio * final_tokens / final_ranges));
+}
+
 bool merge_separately(int64_t longest_final_walk, bool adds_launch, int64_t final_programs, int64_t num_sms) {
   if (double(final_programs) >= kMergeInFinalProgramsPerSm * double(num_sms)) return false;
   return longest_final_walk >= kSeparateMergeSteps + (adds_launch ? kLaunchSteps : 0);
@@ -663,7 +672,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
                        : chunk_tokens(programs, length, computed_work, kWaves * shape.num_sms, kMinChunkTokens);
   p.computed_nodes = r.num_computed;
   std::vector<int64_t> step, pieces;
-  cut_ranges(length, p.chunk_tokens, &step, &pieces);
+  cut_ranges(length, size_t(r.num_computed), p.chunk_tokens, &step, &pieces);
   p.separate_merge =
       !options.final_kernel &&
       (options.separate_merge >= 0
@@ -674,7 +683,7 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
     int64_t tokens = merge_mode_chunk_tokens(r, programs, length, block_m, p.separate_merge, shape);
     if (tokens != p.chunk_tokens) {
       p.chunk_tokens = tokens;
-      cut_ranges(length, p.chunk_tokens, &step, &pieces);
+      cut_ranges(length, size_t(r.num_computed), p.chunk_tokens, &step, &pieces);
     }
   }
   std::vector<int64_t> chunk_block_m;

@@ -11,10 +11,11 @@
 //
 // Each branch ends with a *final range* (what is left of its path after the computed nodes,
 // read through its own block table): the final kernel computes it, merges the branch's partials
-// and writes the output. Long ranges are cut into chunks so the grid fills the GPU; every chunk
-// but a final range's last one becomes a partial work item, tiled over its (branch, query
-// head) rows. A final-kernel program walks its range's KV tiles, then folds its branch's
-// partials one after another, a dependent round trip each, after the partial launch is done.
+// and writes the output. Long ranges are cut into chunks so the grid fills the GPU (a final range
+// far longer than the others shorter still); every chunk but a final range's last one becomes a
+// partial work item, tiled over its (branch, query head) rows. A final-kernel program walks its
+// range's KV tiles, then folds its branch's partials one after another, a dependent round trip
+// each, after the partial launch is done.
 // Once some program's walk is kSeparateMergeSteps long (kLaunchSteps more if that takes a
 // partial launch of one more tile size), and the final launch is too small to fill the GPU
 // (kMergeInFinalProgramsPerSm), the plan *merges separately*: every
@@ -53,6 +54,16 @@ constexpr double kRereadWeight = 0.5;
 // 2112-token branch: 17.5 us in 256-token chunks, 15.4 in 128).
 constexpr int64_t kMinChunkTokens = 256;
 constexpr int64_t kMinSeparateChunkTokens = 128;
+// The chunk length spreads the computed nodes' work; final ranges are cut at it too, but where
+// one is far longer than the others, one final program walks it long after the rest are done
+// (H200, random_tree_74/q64kv8d64: the final launch 62.6 us of the plan's 72.7, a 1039-token leaf
+// at 1234-token chunks, the mean final range 126). So final ranges are cut at this many times
+// their mean where that is shorter, the leading pieces partial items (final_chunk_tokens()).
+// H200, 343 family and cases-file trees: 0.990x the time on the family's fit half, 0.987x on the
+// held-out half, none more than 2% slower (the bench: random_tree_74 72.1 -> 49.3 us); at 1x or
+// 1.5x, or 1.5x down to 128 tokens, up to 2% more won and up to 13% lost
+// (tree_of_thought_212/q64kv8d256).
+constexpr int64_t kFinalChunkMeanRatio = 2;
 // Programs per SM the chunking aims for (partial_programs()): kWaves, but kLoneRootWaves for a
 // lone computed node before a final launch. Two root programs (64 rows, ~26K registers and
 // 112 KB of shared memory each) fill an SM; one leaves room for two final programs, which the
@@ -397,6 +408,10 @@ bool heads_first_order(const std::vector<int64_t>& planned_lengths, int64_t item
 bool fold_into_consumers(int64_t consumers, int64_t eff_len, int64_t rows, const PlanShape& shape,
                          double reread_weight);
 int64_t chunk_length(int64_t length, int64_t target);
+// The chunk length of the final ranges (`final_tokens` over `final_ranges` of them, the rows'):
+// `chunk_tokens`, or kFinalChunkMeanRatio times their mean where that is shorter (kMinChunkTokens
+// at least).
+int64_t final_chunk_tokens(int64_t chunk_tokens, int64_t final_tokens, int64_t final_ranges);
 // Programs the partial launch's chunks aim for: kWaves per SM; kLoneRootWaves for a lone computed
 // node before a final launch, or one per kOutweighedRootSmsPerProgram SMs where
 // `leaves_outweigh` (leaves_outweigh_root()); kSeparateMergeWaves merged separately with computed
