@@ -208,31 +208,16 @@ def tree_final(q, k_pool, v_pool, block_tables, seq_lens, order, final_start, me
     o, m = normalise(m_i, l_i, acc)
     wait_for_previous_launch(PDL)  # the partials are the partial launch's output
     denom = tl.where(m == float("-inf"), 0.0, 1.0)
-    # Two partials a step, both loaded before either is merged: each load is a round trip the
-    # fold would otherwise wait on alone.
-    for j in range(0, steps, 2):
-        lse, o_part = load_partial(partial_out, partial_lse, head, lo + j, num_qo_heads,
-                                   row_ok & (j < count), HEAD_DIM)
-        lse_next, o_next = load_partial(partial_out, partial_lse, head, lo + j + 1, num_qo_heads,
-                                        row_ok & (j + 1 < count), HEAD_DIM)
+    for j in range(0, steps):
+        part = head.to(tl.int64) + (lo + j) * num_qo_heads  # entries x heads < 2**31
+        ok = row_ok & (j < count)
+        lse = tl.load(partial_lse + part, mask=ok, other=float("-inf"))
+        o_part = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
+                         other=0.0)
         m, denom, o = merge_partial(m, denom, o, lse, o_part)
-        m, denom, o = merge_partial(m, denom, o, lse_next, o_next)
     o = o / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out + q_rows[:, None] * HEAD_DIM + d[None, :], o.to(out.dtype.element_ty),
              mask=row_ok[:, None])
-
-
-@triton.jit
-def load_partial(partial_out, partial_lse, head, slot, num_qo_heads, ok,
-                 HEAD_DIM: tl.constexpr):
-    """Partial slot ``slot``'s LSEs and outputs of query heads ``head`` (an empty partial,
-    LSE -inf, where not ``ok``)."""
-    part = head.to(tl.int64) + slot * num_qo_heads  # entries x heads < 2**31
-    lse = tl.load(partial_lse + part, mask=ok, other=float("-inf"))
-    d = tl.arange(0, HEAD_DIM)
-    o_part = tl.load(partial_out + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None],
-                     other=0.0)
-    return lse, o_part
 
 
 @triton.jit
