@@ -288,7 +288,6 @@ def test_a_final_range_far_longer_than_the_mean_is_cut(other_leaves, final_token
 
 def test_a_step_costs_less_below_head_dim_128():
     """The cost model prices a KV tile's step in proportion to head_dim below 128, alike above."""
-    from flash_reasoning import _core
     assert [_core.step_us(d) for d in (64, 128, 256)] == pytest.approx([0.6, 1.2, 1.2])
 
 
