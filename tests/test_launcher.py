@@ -57,6 +57,8 @@ def raises(fn, *fragments):
     for f in fragments:
         assert f in str(info.value), f"{f!r} not in {str(info.value)!r}"
     assert isinstance(info.value, RuntimeError) and isinstance(info.value.code, int) and info.value.code > 0
+    # Bad caller input (FR_INVALID_ARGUMENT) is a ValueError as well; nothing else is.
+    assert isinstance(info.value, ValueError) == (info.value.code == 1)
     return info.value
 
 

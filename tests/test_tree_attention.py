@@ -629,6 +629,17 @@ def test_bad_input_is_rejected_without_state_change(bad, error, match):
     assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
 
 
+def test_a_planner_refusal_is_a_value_error_without_state_change():
+    """The C++ planner's refusals reach Python as ValueError (``_core.InvalidArgument``), as
+    ``planner.plan`` gives them, naming what it refused."""
+    alloc, ids = forest("cpu", seed=7)
+    before = (alloc.tree_version, alloc.table_version, alloc.memory_report())
+    with pytest.raises(ValueError, match="final_lanes must be 0 .chosen. or 1..16") as info:
+        TreeAttentionPlan(alloc, ids, 4, _options=PlanOptions(final_lanes=99))
+    assert info.value.code == 1  # FR_INVALID_ARGUMENT
+    assert (alloc.tree_version, alloc.table_version, alloc.memory_report()) == before
+
+
 def test_out_sharing_memory_with_q_is_rejected():
     """In place, or a row apart: the kernels read q while they write out."""
     alloc, ids = forest("cpu", seed=7)

@@ -21,13 +21,17 @@ namespace fr = flash_reasoning;
 
 namespace {
 
-PyObject* g_error = nullptr;  // CoreError; one reference held for the process lifetime
+// CoreError, and its InvalidArgument (also a ValueError: bad input reads as Python's bad
+// input); one reference each held for the process lifetime.
+PyObject* g_error = nullptr;
+PyObject* g_invalid_argument = nullptr;
 
-// Raises CoreError(message) with .code = the status code.
+// Raises CoreError(message), InvalidArgument for bad caller input, with .code = the status code.
 [[noreturn]] void raise(const fr::Status& st) {
-  py::object exc = py::reinterpret_borrow<py::object>(g_error)(st.message);
+  PyObject* type = st.code == fr::Code::kInvalidArgument ? g_invalid_argument : g_error;
+  py::object exc = py::reinterpret_borrow<py::object>(type)(st.message);
   exc.attr("code") = static_cast<int>(st.code);
-  PyErr_SetObject(g_error, exc.ptr());
+  PyErr_SetObject(type, exc.ptr());
   throw py::error_already_set();
 }
 
@@ -431,7 +435,8 @@ PYBIND11_MODULE(_core, m) {
       "Loads cubins from <artifact_root>/<arch>/ (described by manifest.json) through the CUDA\n"
       "driver, which is opened at run time (libcuda.so.1, or $FLASH_REASONING_LIBCUDA).\n"
       "Takes raw device pointers, scalars and stream handles as Python ints; no torch needed.\n"
-      "Every failure raises CoreError (a RuntimeError) with an integer .code.";
+      "Every failure raises CoreError (a RuntimeError) with an integer .code; bad caller input\n"
+      "(FR_INVALID_ARGUMENT) raises its subclass InvalidArgument, also a ValueError.";
 
   g_error = PyErr_NewExceptionWithDoc("flash_reasoning._core.CoreError",
                                       "A launcher failure; .code is the status code, the message names the "
@@ -439,6 +444,13 @@ PYBIND11_MODULE(_core, m) {
                                       PyExc_RuntimeError, nullptr);
   if (!g_error) throw py::error_already_set();
   m.attr("CoreError") = py::handle(g_error);
+  py::tuple invalid_bases = py::make_tuple(py::handle(g_error), py::handle(PyExc_ValueError));
+  g_invalid_argument = PyErr_NewExceptionWithDoc("flash_reasoning._core.InvalidArgument",
+                                                 "Bad caller input (FR_INVALID_ARGUMENT): a CoreError and a "
+                                                 "ValueError; the message names the argument.",
+                                                 invalid_bases.ptr(), nullptr);
+  if (!g_invalid_argument) throw py::error_already_set();
+  m.attr("InvalidArgument") = py::handle(g_invalid_argument);
 
   m.def(
       "select_arch",

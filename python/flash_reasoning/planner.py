@@ -175,9 +175,6 @@ def plan(tree: SegmentTree, shape: Shape, options: PlanOptions | None = None,
     core_shape = {"num_qo_heads": shape.num_qo_heads, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "dtype": dtype, "block_size": 1, "num_blocks": 1,
                   "sm_scale": 0.0}
-    try:
-        core = _core.TreePlan(None, core_shape, tree, None, 0, options.core(), shape.num_sms,
-                              row_sequence=row_sequence)
-    except _core.CoreError as err:
-        raise ValueError(str(err)) from None
+    core = _core.TreePlan(None, core_shape, tree, None, 0, options.core(), shape.num_sms,
+                          row_sequence=row_sequence)  # refusals: _core.InvalidArgument
     return PlanArrays(**core.arrays)
