@@ -119,11 +119,8 @@ def attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, 
     else:
         m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
         end = tl.max(tl.where(row_ok, row_end, 0), 0)
-        clear = row_end
-        if DRAFT:
-            clear = tl.minimum(clear, draft_start)
-        clear = tl.minimum(tl.min(tl.where(row_ok, clear, table_tokens), 0), end)
-        clear = clear // BLOCK_N * BLOCK_N
+        clear = tl.minimum(read_by_every_row(row_ok, row_end, draft_start, table_tokens, DRAFT),
+                           end) // BLOCK_N * BLOCK_N
     page = tl.load(table + (start + offs) // page_size, mask=start + offs < end, other=0)
     for n0 in tl.range(start, clear, BLOCK_N):  # one step ahead (attend)
         n = n0 + offs
@@ -143,6 +140,17 @@ def attend_rows(qt, k_pool, v_pool, table, table_tokens, kv_head, num_kv_heads, 
         s = tl.where(seen, tl.dot(qt, tl.trans(k)) * sm_scale_log2, float("-inf"))
         m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, True)
     return m_i, l_i, acc
+
+
+@triton.jit
+def read_by_every_row(row_ok, row_end, draft_start, table_tokens, DRAFT: tl.constexpr):
+    """How many of a sequence's first tokens every row of a tile reads (:func:`attend_rows`'s
+    rows, ``table_tokens`` where none is ``row_ok``): up to its shortest row's end and, with
+    ``DRAFT``, its first draft token."""
+    ends = row_end
+    if DRAFT:
+        ends = tl.minimum(ends, draft_start)
+    return tl.min(tl.where(row_ok, ends, table_tokens), 0)
 
 
 @triton.jit

@@ -32,7 +32,14 @@ import triton.language as tl
 
 from flash_reasoning.specializations import QUERY_TILE_FIELDS
 
-from .attention_core import attend_rows, attend_run, draft_window, no_keys, normalise
+from .attention_core import (
+    attend_rows,
+    attend_run,
+    draft_window,
+    no_keys,
+    normalise,
+    read_by_every_row,
+)
 
 TILE_FIELDS = tl.constexpr(len(QUERY_TILE_FIELDS))
 FIRST_ROW = tl.constexpr(QUERY_TILE_FIELDS.index("first_row"))
@@ -86,8 +93,7 @@ def tree_queries(q, k_pool, v_pool, block_tables, seq_lens, k_tiles, v_tiles, qu
                                         HEAD_DIM, BLOCK_M, BLOCK_N, DRAFT, True,
                                         (m_i, l_i, acc), walks, shared)
     elif TMA:
-        # Up to the first row's end (and any draft): tokens every row reads.
-        whole = tl.min(tl.where(row_ok, tl.minimum(row_end, draft_start), table_tokens), 0)
+        whole = read_by_every_row(row_ok, row_end, draft_start, table_tokens, DRAFT)
         run = tl.minimum(first_run_tokens(table, whole, page_size), whole) // BLOCK_N * BLOCK_N
         m_i, l_i, acc = no_keys(BLOCK_M, HEAD_DIM)
         m_i, l_i, acc = attend_run(m_i, l_i, acc, qt, k_tiles, v_tiles, table, table_tokens,
