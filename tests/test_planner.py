@@ -384,6 +384,7 @@ def test_final_starts_early_where_the_plan_has_a_final_kernel(name, early):
     ("seed_b64/q32kv8", 497),     # 4 x 8 x 2048 / 132: its 17 MB of leaves do not outweigh it
     ("seed_b64/q32kv32", 993),    # 1 x 32 x 2048 / 66: its 67 MB of leaves do
     ("ft_1,16,64/q32kv32", 621),  # 17 computed nodes: two programs per SM
+    ("long_1,4/q32kv32", 3972),   # 32 x 32768 / 264: at one per SM its chunks would be 7944
     # Merged separately with a computed root: every range's chunks, one program per SM
     # ((8 x 4000 + 10 leaves x 8 x 400) / 132).
     ("ft_1,10/q32kv8", 485),
@@ -397,6 +398,26 @@ def test_chunks_aim_for_programs_per_sm_by_what_runs_beside_them(name, chunk_tok
     case = next(c for c in load_cases()["cases"] if c["name"] == name)
     alloc, leaves = case_allocator(case, device="cpu", random=False)
     arrays = plan_for(alloc, leaves, case["num_qo_heads"])[1]
+    assert arrays.stats["chunk_tokens"] == chunk_tokens
+
+
+@pytest.mark.parametrize("root, head_dim, chunk_tokens", [
+    (8192, 128, 3476),  # 28 row tiles x 4 KV heads x 8192 / 264: 6951 at one program per SM
+    (8192, 256, 6951),  # two 64-row programs of head_dim 256 do not fit one SM
+    (4096, 128, 3476),  # 112 x 4096 / 132: the whole 4096-token root a program, kept
+])
+def test_a_lone_root_that_would_walk_long_is_cut_for_two_programs_per_sm(root, head_dim,
+                                                                         chunk_tokens):
+    """``lone_root_walks_long``: a lone root whose chunks at one program per SM would pass
+    kLongLoneRootChunkTokens is cut for two per SM (256 leaves of 128 tokens at 28 query and 4
+    KV heads: 1792 rows a KV head, 28 tiles of 64), where two of its programs fit an SM."""
+    alloc = PhysicalKVAllocator(root // 4 + 256 * 33 + 1, 4, 1, 8, device="cpu")
+    base = alloc.alloc_branch(root).branch_id
+    ids = [alloc.alloc_branch(root + 128, parent_branch_id=base, fork_position=root).branch_id
+           for _ in range(256)]
+    tree = alloc.segment_tree(ids)
+    arrays = planner.plan(tree, planner.Shape(28, 4, head_dim, **H100))
+    assert arrays.stats["computed_nodes"] == 1
     assert arrays.stats["chunk_tokens"] == chunk_tokens
 
 

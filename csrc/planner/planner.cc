@@ -401,11 +401,17 @@ bool runs_as_paged_decode(bool separate_merge, int64_t num_entries, bool lanes_f
   return !separate_merge && num_entries == 0 && !lanes_forced;
 }
 
-int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_outweigh, const PlanShape& shape) {
+int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_outweigh, bool long_root,
+                         const PlanShape& shape) {
   if (separate_merge) return (num_computed ? kSeparateMergeWaves : kWaves) * shape.num_sms;
-  if (num_computed != 1) return kWaves * shape.num_sms;
+  if (num_computed != 1 || long_root) return kWaves * shape.num_sms;
   return leaves_outweigh ? std::max<int64_t>(1, shape.num_sms / kOutweighedRootSmsPerProgram)
                          : kLoneRootWaves * shape.num_sms;
+}
+
+bool lone_root_walks_long(int64_t root_chunk, int64_t root_programs, const PlanShape& shape) {
+  return root_chunk > kLongLoneRootChunkTokens && root_programs < kWaves * shape.num_sms &&
+         shape.head_dim <= kTwoRootProgramsHeadDim;
 }
 
 bool leaves_outweigh_root(int64_t root_tokens, int64_t root_tiles, int64_t root_programs, bool wide_tile,
@@ -632,18 +638,20 @@ int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& pro
                                 bool separate_merge, const PlanShape& shape) {
   size_t counted = separate_merge || !r.num_computed ? length.size() : size_t(r.num_computed);
   int64_t min_tokens = separate_merge && !r.num_computed ? kMinSeparateChunkTokens : kMinChunkTokens;
-  bool outweighed = false;
+  bool outweighed = false, long_root = false;
   if (r.num_computed == 1 && !separate_merge) {  // a lone root: do its leaves outweigh it?
     int64_t step =
         chunk_length(length[0], chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms, min_tokens));
+
     int64_t pieces = std::max<int64_t>(1, ceil_div(length[0], step));
     int64_t leaf_tokens = 0;
     for (size_t k = 1; k < length.size(); ++k) leaf_tokens += length[k];
     outweighed = leaves_outweigh_root(length[0], ceil_div(step, kChunkAlign), pieces * programs[0],
                                       block_m[0] > shape.block_ms[0], leaf_tokens, shape);
+    long_root = !outweighed && lone_root_walks_long(step, programs[0], shape);
   }
-  return chunk_tokens(programs, length, counted, partial_programs(r.num_computed, separate_merge, outweighed, shape),
-                      min_tokens);
+  return chunk_tokens(programs, length, counted,
+                      partial_programs(r.num_computed, separate_merge, outweighed, long_root, shape), min_tokens);
 }
 
 // One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its

@@ -71,6 +71,16 @@ constexpr int64_t kFinalChunkMeanRatio = 2;
 // 31.2 -> 23.9 us, seed_b256/q32kv32 128.4 -> 118.7; trees of several computed nodes lose).
 constexpr int64_t kWaves = 2;
 constexpr int64_t kLoneRootWaves = 1;
+// ... but kWaves for a lone root whose chunks would be longer than this at kLoneRootWaves: one
+// program per SM then walks the root long after the final programs beside it are done, on half
+// the SM's tensor cores (lone_root_walks_long()). Only where two of its programs fit an SM, at
+// head_dim up to kTwoRootProgramsHeadDim: a 64-row tile of head_dim 256 at its 3-stage config
+// takes 224 KB of shared memory. H200, 8192-token prompts under 256 leaves of 128 tokens: 110.9
+// -> 90.8 us at q28kv4, 113.1 -> 108.6 at q32kv8; the family's plans it changes 0.91x the time
+// (fit half), none slower by more than 3%; cut at 2048 tokens it loses up to 19% (8192 tokens
+// under 128 leaves).
+constexpr int64_t kLongLoneRootChunkTokens = 4096;
+constexpr int64_t kTwoRootProgramsHeadDim = 128;
 // ... and a lone root whose leaves outweigh it (leaves_outweigh_root()) one program per this many
 // SMs: whole SMs are left to the final programs, which walk the leaves while the root computes
 // (H100: seed_b64/q32kv32, 67 MB of leaves under a 2048-token root,
@@ -413,10 +423,14 @@ int64_t chunk_length(int64_t length, int64_t target);
 // at least).
 int64_t final_chunk_tokens(int64_t chunk_tokens, int64_t final_tokens, int64_t final_ranges);
 // Programs the partial launch's chunks aim for: kWaves per SM; kLoneRootWaves for a lone computed
-// node before a final launch, or one per kOutweighedRootSmsPerProgram SMs where
-// `leaves_outweigh` (leaves_outweigh_root()); kSeparateMergeWaves merged separately with computed
-// nodes.
-int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_outweigh, const PlanShape& shape);
+// node before a final launch (kWaves where `long_root`: lone_root_walks_long()), or one per
+// kOutweighedRootSmsPerProgram SMs where `leaves_outweigh` (leaves_outweigh_root());
+// kSeparateMergeWaves merged separately with computed nodes.
+int64_t partial_programs(int64_t num_computed, bool separate_merge, bool leaves_outweigh, bool long_root,
+                         const PlanShape& shape);
+// Whether a lone root cut into `root_chunk`-token chunks for kLoneRootWaves (its `root_programs`
+// row tiles x KV heads each) walks long enough to be cut for kWaves: kLongLoneRootChunkTokens.
+bool lone_root_walks_long(int64_t root_chunk, int64_t root_programs, const PlanShape& shape);
 // Whether a lone root's leaves (`leaf_tokens`, their final ranges) take longer to read from HBM
 // than the root takes by estimated_us()'s terms: its programs' `root_tiles` KV tiles each (their
 // waves, the wide tile's factor) or its own bytes, cut for kLoneRootWaves.
