@@ -639,10 +639,9 @@ int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& pro
   size_t counted = separate_merge || !r.num_computed ? length.size() : size_t(r.num_computed);
   int64_t min_tokens = separate_merge && !r.num_computed ? kMinSeparateChunkTokens : kMinChunkTokens;
   bool outweighed = false, long_root = false;
-  if (r.num_computed == 1 && !separate_merge) {  // a lone root: do its leaves outweigh it?
+  if (r.num_computed == 1 && !separate_merge) {  // a lone root: do its leaves outweigh it, or does it walk long?
     int64_t step =
         chunk_length(length[0], chunk_tokens(programs, length, 1, kLoneRootWaves * shape.num_sms, min_tokens));
-
     int64_t pieces = std::max<int64_t>(1, ceil_div(length[0], step));
     int64_t leaf_tokens = 0;
     for (size_t k = 1; k < length.size(); ++k) leaf_tokens += length[k];
