@@ -17,7 +17,8 @@ ARCHS = ("sm80", "sm89", "sm90")
 #: tree_final, packed or not, the narrow tree_partial) and for the wide tree_partial tile.
 DECODE_TILE_CANDIDATES = ((16, 2, 1), (32, 2, 2), (32, 4, 2), (64, 2, 2), (64, 4, 2), (64, 4, 3),
                           (128, 4, 2), (64, 8, 2))
-WIDE_TILE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2))
+WIDE_TILE_CANDIDATES = ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 4, 3),
+                        (128, 8, 2))
 #: Every head_dim; a candidate whose tiles overflow an arch's shared memory is left out
 #: (:func:`fits_shared_memory`).
 CANDIDATE_HEAD_DIMS = (64, 128, 256)
