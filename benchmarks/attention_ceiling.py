@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flash_reasoning import TreeAttentionPlan
+from flash_reasoning import TreeAttentionPlan, reference
 from flash_reasoning.tools import bench, timing
 
 RUNS = 15
@@ -33,7 +33,6 @@ QO_HEADS, KV_HEADS, SAMPLES, PROMPT = 32, 8, 256, 8192
 ROWS = SAMPLES * QO_HEADS // KV_HEADS  # query rows per KV head
 #: Programs a loop's grid may have: about one to four waves of 132 SMs.
 MIN_PROGRAMS, MAX_PROGRAMS = 100, 600
-TOLERANCE = 2e-2  # bf16 inputs, fp32 accumulation, outputs of magnitude ~1
 
 
 @triton.jit
@@ -72,7 +71,7 @@ def loop_configs(head_dim: int):
             yield block_m, block_n, block_m // 16, stages, ws, splits
 
 
-def reference(q, k, v, splits: int) -> torch.Tensor:
+def split_attention(q, k, v, splits: int) -> torch.Tensor:
     """float32 attention of each head's rows over each split's keys, in the loop's output
     order (split, head, row)."""
     head_dim = q.shape[-1]
@@ -83,7 +82,7 @@ def reference(q, k, v, splits: int) -> torch.Tensor:
 
 
 def loops(head_dim: int) -> tuple[dict, list]:
-    """Each config's launch over fresh random q, K, V, checked against :func:`reference`
+    """Each config's launch over fresh random q, K, V, checked against :func:`split_attention`
     first, and the configs that gave a wrong result (NaN included): those are left out, as are
     the ones that do not fit shared memory."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -107,10 +106,10 @@ def loops(head_dim: int) -> tuple[dict, list]:
         except OutOfResources:
             continue
         if splits not in wants:
-            wants[splits] = reference(q, k, v, splits)
-        err = (out - wants[splits]).abs().max().item()
-        if not err <= TOLERANCE:  # NaN fails too
-            print(f"  loop {cfg} is wrong (max abs error {err:.3g}): left out")
+            wants[splits] = split_attention(q, k, v, splits)
+        err = reference.relative_error(out, wants[splits])  # NaN: inf
+        if not err <= reference.TOLERANCE[torch.bfloat16]:
+            print(f"  loop {cfg} is wrong (relative error {err:.3g}): left out")
             wrong.append(list(cfg))
             continue
         fns[cfg] = launch
@@ -138,9 +137,9 @@ def others(head_dim: int) -> dict:
                             "bfloat16")
     alloc, leaves = bench.case_allocator(case, random=False)
     plan = TreeAttentionPlan(alloc, leaves, QO_HEADS)
-    rows = torch.randn(SAMPLES, QO_HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty_like(rows)
-    fns["tree_attention"] = lambda: plan.run(rows, 0, out)
+    decode_q = torch.randn(SAMPLES, QO_HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(decode_q)
+    fns["tree_attention"] = lambda: plan.run(decode_q, 0, out)
     return fns
 
 
