@@ -7,17 +7,23 @@ case, the planner's time and the best forced plan's; last, the cases where a for
 the planner's by more than ``--margin``: the rules worth refitting.
 
 ``--family NAME`` times the synthetic trees of ``FAMILIES[NAME]`` instead of the benchmark's
-cases (one rule's data at several GQA groups), with that family's knobs only. Run on a GPU:
-``python benchmarks/planner_regret.py [--runs N] [--margin F] [--family NAME] [CASE...]``"""
+cases (one rule's data at several GQA groups), with that family's knobs only; a bench family
+(``flash-reasoning bench --family``, every knob) takes ``--half``. The last lines give, over
+the cases, the planner's time and the best plan's against the roofline (measured in the same
+run as the bench measures it): what refitting the rules could win at most, one knob at a time.
+Run on a GPU: ``python benchmarks/planner_regret.py [--runs N] [--margin F] [--family NAME
+[--half HALF]] [--json OUT] [CASE...]``"""
 import argparse
+import datetime
 import hashlib
+import json
 import sys
 
 import torch
 
 from flash_reasoning import TreeAttentionPlan
 from flash_reasoning.planner import PlanOptions
-from flash_reasoning.tools import bench, timing
+from flash_reasoning.tools import bench, family, timing
 
 #: (label, planner option, values).
 KNOBS = (("chunk", "target_chunk", (64, 128, 256, 512, 1024, 2048)),
@@ -116,8 +122,9 @@ def case_queries(case):
     return alloc, leaves, q.to(alloc.dtype)
 
 
-def sweep(name, case, runs, regrets, margin, knobs=KNOBS):
-    """One case: its distinct plans timed, a line printed, a regret recorded past ``margin``."""
+def sweep(name, case, runs, regrets, margin, knobs=KNOBS) -> dict:
+    """One case: its distinct plans timed, a line printed, a regret recorded past ``margin``;
+    the times by plan."""
     alloc, leaves, q = case_queries(case)
     plans = distinct_plans(alloc, leaves, q, case["num_qo_heads"], knobs)
     times = time_plans(name, plans, q, runs)
@@ -130,33 +137,63 @@ def sweep(name, case, runs, regrets, margin, knobs=KNOBS):
           + " ".join(f"{k}:{v:.1f}" for k, v in times.items() if k != "auto"), flush=True)
     if times[best] < auto * (1 - margin):
         regrets.append((name, auto, best, times[best]))
+    return times
+
+
+def chosen_cases(args) -> tuple[dict, tuple]:
+    """The cases to sweep by name, and the knobs to force."""
+    if args.family in FAMILIES:
+        labels, trees = FAMILIES[args.family]
+        return ({case["name"]: case for case in trees},
+                tuple(knob for knob in KNOBS if knob[0] in labels))
+    if args.family:
+        size = 300  # the bench's family (its --family-size default): both halves
+        return {c["name"]: c for c in family.family_cases(args.family, size, half=args.half)}, KNOBS
+    cases = {c["name"]: c for c in bench.table_cases(bench.load_cases(), cpu=False)}
+    unknown = [name for name in args.cases if name not in cases]
+    if unknown:
+        raise SystemExit(f"no such case: {', '.join(unknown)} (known: {', '.join(cases)})")
+    return {name: cases[name] for name in args.cases or cases}, KNOBS
+
+
+def summary(cases, times, machine) -> dict:
+    """Geometric means over the cases: the planner's and the best plan's time over the
+    roofline, and the planner's over the best's."""
+    rooflines = {name: bench.roofline_us(cases[name], machine) for name in times}
+    auto = [t["auto"] / rooflines[name] for name, t in times.items()]
+    best = [min(t.values()) / rooflines[name] for name, t in times.items()]
+    return {"cases": len(times), "planner_over_roofline": bench.geomean(auto),
+            "best_over_roofline": bench.geomean(best),
+            "planner_over_best": bench.geomean([a / b for a, b in zip(auto, best)])}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--margin", type=float, default=0.03)
-    parser.add_argument("--family", choices=sorted(FAMILIES))
+    parser.add_argument("--family", choices=sorted({*FAMILIES, *family.FAMILIES}))
+    parser.add_argument("--half", choices=family.HALVES, default="fit",
+                        help="a bench family's half (default: fit, the one rules are fitted on)")
+    parser.add_argument("--json", help="write the times, rooflines and summary here")
     parser.add_argument("cases", nargs="*", help="benchmark cases (default: every GPU case)")
     args = parser.parse_args()
-    print(torch.cuda.get_device_name(), "(us)", flush=True)
-    if args.family:
-        labels, trees = FAMILIES[args.family]
-        knobs = tuple(knob for knob in KNOBS if knob[0] in labels)
-        cases = {case["name"]: case for case in trees}
-    else:
-        knobs = KNOBS
-        cases = {c["name"]: c for c in bench.table_cases(bench.load_cases(), cpu=False)}
-        unknown = [name for name in args.cases if name not in cases]
-        if unknown:
-            raise SystemExit(f"no such case: {', '.join(unknown)} (known: {', '.join(cases)})")
+    cases, knobs = chosen_cases(args)
+    machine = bench.Machine(timing.copy_bandwidth_tbps(), timing.matmul_tflops(),
+                            timing.launch_us())
+    print(torch.cuda.get_device_name(), "(us)", machine, flush=True)
     regrets = []
-    names = list(cases) if args.family else (args.cases or list(cases))
-    for name in names:
-        sweep(name, cases[name], args.runs, regrets, args.margin, knobs)
+    times = {name: sweep(name, case, args.runs, regrets, args.margin, knobs)
+             for name, case in cases.items()}
     print(f"forced plans faster than the planner's by more than {args.margin:.0%}:", flush=True)
     for name, auto, best, us in regrets:
         print(f"    {name:24} auto {auto:7.1f} -> {best} {us:7.1f} ({us / auto - 1:+.1%})")
+    totals = summary(cases, times, machine)
+    print("geometric means: " + ", ".join(f"{k} {v:.3g}" for k, v in totals.items()))
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+                "command": " ".join(sys.argv), **vars(machine)}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "summary": totals, "times": times}, f, indent=1)
 
 
 if __name__ == "__main__":

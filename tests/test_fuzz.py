@@ -222,6 +222,7 @@ class FuzzMachine(RuleBasedStateMachine):
             one_tile=data.draw(st.sampled_from([None, True])),
             query_block=data.draw(st.sampled_from([None, 1, 3, 8])),
             query_tiles=data.draw(st.sampled_from([None, False, True])),
+            sequence_folds=data.draw(st.sampled_from([None, False, True])),
             **({"arch": "sm90", "num_sms": 4} if self.INTERPRET else {}))
         self.plans: list[tuple[TreeAttentionPlan, tuple]] = []  # (plan, tree_version built at)
         self.held: HeldStep | None = None

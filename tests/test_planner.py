@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flash_reasoning import PhysicalKVAllocator, _core, dispatch, planner
+from flash_reasoning.ops.tree_attention import QUERY_BLOCK
 from flash_reasoning.segment_tree import SegmentTree
 from flash_reasoning.specializations import COMMON_FIELDS, QUERY_TILE_FIELDS, TREE_ITEM_FIELDS
 from flash_reasoning.tools.bench import case_allocator, load_cases, seed_case, table_cases
@@ -485,6 +486,41 @@ def forked_sequences(alloc, forks, new_tokens):
     ids = [alloc.alloc_branch(at, root, at).branch_id for at in forks]
     alloc.append(alloc.reserve(ids, new_tokens), 0, *random_kv(alloc, gen, len(ids) * new_tokens))
     return ids
+
+
+def sequences_with_own_leaves(alloc, leaf_tokens, queries):
+    """Four branches forked at the end of a 512-token root, each then holding ``leaf_tokens``
+    tokens of its own and ``queries`` new ones: their tree with a row per query, and the
+    rows' sequences."""
+    gen = torch.Generator().manual_seed(0)
+    root = alloc.alloc_branch(0).branch_id
+    alloc.write(root, 0, *random_kv(alloc, gen, 512))
+    ids = [b.branch_id for b in alloc.alloc_branches(4, 512, root)]
+    for tokens in (leaf_tokens, queries):
+        alloc.append(alloc.reserve(ids, tokens), 0, *random_kv(alloc, gen, 4 * tokens))
+    q_lens = [queries] * 4
+    rows = np.repeat(np.arange(4, dtype=np.int32), q_lens)
+    return alloc.segment_tree(ids, q_lens, QUERY_BLOCK), rows
+
+
+@pytest.mark.parametrize("leaf_tokens, folds", [(64, True), (256, True), (300, False)])
+def test_a_branch_own_short_node_folds_into_its_queries(leaf_tokens, folds):
+    """The node that only one branch's queries read (its own tokens before the new ones) is
+    one reader for the cost model, not one per query, where it is at most kSequenceFoldTokens
+    (256) long: it folds into their final ranges (``sequence_folds``; by default where that
+    plan estimates faster). Longer ones stay computed; rows without sequences (decode rows)
+    keep the plan they had."""
+    tree, rows = sequences_with_own_leaves(PhysicalKVAllocator(128, 16, 2, 64, device="cpu"),
+                                           leaf_tokens, 4)
+    shape = planner.Shape(8, 2, 64, **H100)
+
+    def computed(rows=rows, **kw):
+        options = planner.PlanOptions(query_tiles=False, flat=False, **kw)
+        return planner.plan(tree, shape, options, rows).stats["computed_nodes"]
+    assert computed(sequence_folds=False) == 5  # the root and each branch's own node
+    assert computed(sequence_folds=True) == (1 if folds else 5)
+    assert computed() in (computed(sequence_folds=False), computed(sequence_folds=True))
+    assert computed(rows=None, sequence_folds=True) == 5
 
 
 def test_query_tiles_pack_short_sequences_as_lanes():

@@ -696,6 +696,23 @@ def test_query_reference_is_causal_attention():
 
 
 @interpreter
+@pytest.mark.parametrize("masked", [False, True])
+def test_branch_own_nodes_folded_into_their_queries_interpreted(masked):
+    """A several-query plan whose branches' own short nodes fold into their queries' final
+    ranges (``sequence_folds``): fewer computed nodes, the same attention."""
+    alloc, ids = forest("cpu", tokens=120, seed=5, branches=8)
+    q_lens = random_q_lens(alloc, ids, 5, most=12)
+    mask = random_masks(q_lens, 5) if masked else None
+    q = queries(alloc, ids, 8, rows=sum(q_lens))
+    plan, out = interpret(alloc, ids, q, q_lens=q_lens, mask=mask, sequence_folds=True,
+                          query_tiles=False, target_chunk=16)
+    kept = TreeAttentionPlan(alloc, ids, 8, q_lens=q_lens, mask=mask, _options=PlanOptions(
+        num_sms=4, arch="sm90", sequence_folds=False, query_tiles=False, target_chunk=16))
+    assert plan.arrays.stats["computed_nodes"] < kept.arrays.stats["computed_nodes"]
+    check(out, q, alloc, ids, q_lens=q_lens, mask=mask)
+
+
+@interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, query_block", [((2, 2), 1), ((8, 2), 4), ((16, 1), None)])
 @pytest.mark.parametrize("separate", [False, True])

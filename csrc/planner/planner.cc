@@ -58,17 +58,38 @@ Status check_shape(const PlanShape& s) {
   return Status::Ok();
 }
 
+// The readers of each node: its child nodes and the rows that end there; with `sequences` (each
+// row's sequence; may be null), one reader for a short node (kSequenceFoldTokens) that only one
+// sequence's rows read, below it or ending at it: that sequence's queries read it side by side
+// (lanes of one program, or neighbours in the grid, from L2), so folding it re-reads nothing.
+std::vector<int64_t> node_consumers(const SegmentTree& t, const int32_t* sequences) {
+  constexpr int64_t kNoRows = -1, kSeveral = -2;
+  auto join = [](int64_t a, int64_t b) { return a == kNoRows ? b : b == kNoRows || a == b ? a : kSeveral; };
+  size_t count = size_t(t.num_nodes());
+  std::vector<int64_t> consumers(count, 0), reader(count, kNoRows);
+  for (int64_t b = 0; b < t.num_rows(); ++b) {
+    if (t.end_node[b] < 0) continue;
+    ++consumers[size_t(t.end_node[b])];
+    if (sequences) reader[size_t(t.end_node[b])] = join(reader[size_t(t.end_node[b])], sequences[b]);
+  }
+  for (int64_t v = int64_t(count) - 1; v >= 0; --v) {  // pre-order: children after their parent
+    int64_t up = t.node_parent[v];
+    if (up < 0) continue;
+    ++consumers[size_t(up)];
+    reader[size_t(up)] = join(reader[size_t(up)], reader[size_t(v)]);
+  }
+  for (size_t v = 0; v < count; ++v)
+    if (reader[v] >= 0 && t.node_end[v] - t.node_start[v] <= kSequenceFoldTokens) consumers[v] = 1;
+  return consumers;
+}
+
 // Top-down: whether each node folds, and where its range starts once its folded ancestors are
 // prepended. Nodes are in pre-order, so a parent is decided before its children.
 // A flat plan folds every node.
 void fold_decisions(const SegmentTree& t, const PlanShape& shape, double reread_weight, bool flat,
-                    std::vector<char>* fold, std::vector<int64_t>* eff_start) {
+                    const int32_t* sequences, std::vector<char>* fold, std::vector<int64_t>* eff_start) {
   int64_t count = t.num_nodes();
-  std::vector<int64_t> consumers(count, 0);
-  for (int64_t v = 0; v < count; ++v)
-    if (t.node_parent[v] >= 0) ++consumers[t.node_parent[v]];
-  for (int64_t v : t.end_node)
-    if (v >= 0) ++consumers[v];
+  std::vector<int64_t> consumers = node_consumers(t, sequences);
   fold->assign(count, 0);
   eff_start->assign(t.node_start.begin(), t.node_start.end());
   for (int64_t v = 0; v < count; ++v) {
@@ -438,6 +459,13 @@ std::vector<SequenceRows> sequence_rows(int64_t rows, const int32_t* row_sequenc
   return sequences;
 }
 
+// Whether some sequence has several rows (`row_sequence` may be null).
+bool sequences_repeat(int64_t rows, const int32_t* row_sequence) {
+  for (int64_t i = 1; row_sequence && i < rows; ++i)
+    if (row_sequence[i] == row_sequence[i - 1]) return true;
+  return false;
+}
+
 // The tokens rows a and b of `t` read from the same slots: the end of their paths' last common
 // node.
 int64_t common_tokens(const SegmentTree& t, int64_t a, int64_t b) {
@@ -653,13 +681,14 @@ int64_t merge_mode_chunk_tokens(const Ranges& r, const std::vector<int64_t>& pro
                       partial_programs(r.num_computed, separate_merge, outweighed, long_root, shape), min_tokens);
 }
 
-// One plan of `tree`: the cost model's folds, or every node folded (`flat`); each range in its
-// own row tile, or every range in the wide one (`one_tile`).
+// One plan of `tree`: the cost model's folds (one sequence's queries one reader where
+// `sequences`, node_consumers()), or every node folded (`flat`); each range in its own row
+// tile, or every range in the wide one (`one_tile`).
 Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, bool flat, bool one_tile,
-                  Plan* out) {
+                  const int32_t* sequences, Plan* out) {
   std::vector<char> fold;
   std::vector<int64_t> eff_start;
-  fold_decisions(tree, shape, options.reread_weight, flat, &fold, &eff_start);
+  fold_decisions(tree, shape, options.reread_weight, flat, sequences, &fold, &eff_start);
   Ranges r = collect_ranges(tree, fold, eff_start, shape, one_tile, options.host_nodes != 0);
   size_t num_ranges = r.lo.size();
   std::vector<int64_t> length(num_ranges), block_m(num_ranges), programs(num_ranges);
@@ -738,22 +767,24 @@ Status build_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpt
 // least), siblings in the tree order, so that each walks the path its lanes share once
 // (shared_final_prefixes()), where its programs' walks stay short (kSharedRangeWalk) and
 // estimated_us() finds it faster than `plan`.
-void prefer_shared_ranges(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* plan) {
+void prefer_shared_ranges(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options,
+                          const int32_t* sequences, Plan* plan) {
   if (options.flat >= 0 || options.final_lanes || shape.max_wide_final_lanes() < kMinPackedLanes) return;
   PlanOptions packed = options;
   packed.final_lanes = shape.max_wide_final_lanes();
   Plan shared;
-  if (build_plan(tree, shape, packed, true, options.one_tile == 1, &shared).ok() && shared.has_common() &&
+  if (build_plan(tree, shape, packed, true, options.one_tile == 1, sequences, &shared).ok() && shared.has_common() &&
       last_launch_walk(shared, tree, nullptr) <= kSharedRangeWalk && shared.estimated_us < plan->estimated_us)
     *plan = std::move(shared);
 }
 
 // `plan` again with every item in the wide tile, where it merges separately over both row tiles
 // (one partial launch fewer) and estimated_us() finds that faster.
-void prefer_one_tile(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* plan) {
+void prefer_one_tile(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options,
+                     const int32_t* sequences, Plan* plan) {
   if (options.one_tile >= 0 || !plan->separate_merge || plan->items.size() < 2) return;
   Plan wide;
-  if (build_plan(tree, shape, options, plan->computed_nodes == 0, true, &wide).ok() &&
+  if (build_plan(tree, shape, options, plan->computed_nodes == 0, true, sequences, &wide).ok() &&
       wide.estimated_us < plan->estimated_us)
     *plan = std::move(wide);
 }
@@ -783,6 +814,23 @@ bool plan_query_tiles(const SegmentTree& tree, const PlanShape& shape, const Pla
   return true;
 }
 
+// A tree plan: the cost model's folds (or the forced ones), then the alternatives it prefers;
+// with `sequences`, one sequence's queries count as one reader of their short own nodes.
+Status tree_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, const int32_t* sequences,
+                 Plan* out) {
+  Status st = build_plan(tree, shape, options, options.flat == 1, options.one_tile == 1, sequences, out);
+  if (!st.ok()) return st;
+  if (options.flat < 0 && out->computed_nodes && flat_may_win(tree, shape, out->estimated_us)) {
+    Plan flat;
+    if (build_plan(tree, shape, options, true, options.one_tile == 1, sequences, &flat).ok() &&
+        flat.estimated_us < out->estimated_us)
+      *out = std::move(flat);
+  }
+  prefer_shared_ranges(tree, shape, options, sequences, out);
+  prefer_one_tile(tree, shape, options, sequences, out);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOptions& options, Plan* out,
@@ -798,15 +846,13 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
                                                      std::to_string(options.final_lanes));
   if (plan_query_tiles(tree, shape, options, row_sequence, out)) return Status::Ok();
   Plan plan;
-  if (!(st = build_plan(tree, shape, options, options.flat == 1, options.one_tile == 1, &plan)).ok()) return st;
-  if (options.flat < 0 && plan.computed_nodes && flat_may_win(tree, shape, plan.estimated_us)) {
-    Plan flat;
-    if (build_plan(tree, shape, options, true, options.one_tile == 1, &flat).ok() &&
-        flat.estimated_us < plan.estimated_us)
-      plan = std::move(flat);
-  }
-  prefer_shared_ranges(tree, shape, options, &plan);
-  prefer_one_tile(tree, shape, options, &plan);
+  // A sequence's own short nodes folded (kSequenceFoldTokens), or not, or the faster estimate.
+  const int32_t* sequences = sequences_repeat(tree.num_rows(), row_sequence) ? row_sequence : nullptr;
+  if (!(st = tree_plan(tree, shape, options, options.sequence_folds == 1 ? sequences : nullptr, &plan)).ok()) return st;
+  Plan folded;
+  if (sequences && options.sequence_folds < 0 && tree_plan(tree, shape, options, sequences, &folded).ok() &&
+      folded.estimated_us < plan.estimated_us)
+    plan = std::move(folded);
   *out = std::move(plan);
   return Status::Ok();
 }

@@ -178,6 +178,16 @@ constexpr int64_t kPackedWalkTiles = 16;
 // at most half the reads: at GQA group 16 every tree lost (ft_deep16/q16kv1 22.1 -> 24.0 at a
 // walk of 3, ft_1,256/q16kv1 14.7 -> 18.2 at 5).
 constexpr int64_t kSharedRangeWalk = 6;
+// A node that only one sequence's queries read (a branch's own tokens before its drafts or
+// extend) folds into their final ranges, where the plan that does so estimates faster, if it
+// is at most this long: no longer than the shortest chunk, so computing it would not split it
+// across programs, while folding it saves its partial launch and merge; past it each query
+// walks the whole node (unbounded, ft_1,10/q32kv8's 400-token leaves under 2 queries each took
+// 1.20-1.26x the time). H200, each plan timed with and without (sequence_folds = 0): drafts of
+// 2-32 tokens on every leaf of eight cases-file trees, 19 plans changed, 0.81x, none slower
+// (seed_b16/q32kv8 under 4 drafts each 28.6 -> 21.2 us); on the family's held-out trees, 82
+// changed, 0.92x, short beams at GQA group 1 up to 1.27x (beam_search_201/q32kv32d64).
+constexpr int64_t kSequenceFoldTokens = kMinChunkTokens;
 
 // One tree_partial work item is an int32 record of these fields, in this order; the kernel
 // reads them by index (Python's specializations.TREE_ITEM_FIELDS must match: a test checks).
@@ -292,7 +302,8 @@ struct PlanOptions {
   // Never a paged decode nor merged separately, whatever separate_merge asks: a plan with draft
   // masks (only tree_final and query tiles apply them).
   bool final_kernel = false;
-  int query_tiles = -1;  // -1: by query_tiles_win() where rows name their sequences; 0 or 1: forced
+  int query_tiles = -1;     // -1: by query_tiles_win() where rows name their sequences; 0 or 1: forced
+  int sequence_folds = -1;  // -1: the faster by estimated_us() (kSequenceFoldTokens); 0 or 1: forced
 };
 
 // The tree_partial records of one row tile (BLOCK_M), kTreeItemFields.size() int32 each.

@@ -256,6 +256,7 @@ fr::PlanOptions options_from(const py::dict& options) {
   get("host_nodes", &o.host_nodes);
   get("slot_runs", &o.slot_runs);
   get("query_tiles", &o.query_tiles);
+  get("sequence_folds", &o.sequence_folds);
   return o;
 }
 

@@ -35,7 +35,7 @@ class Shape:
 
 #: PlanOptions' choices that are yes, no or the cost model's (None).
 _TRISTATE = ("separate_merge", "flat", "one_tile", "early_final", "host_nodes", "slot_runs",
-             "query_tiles")
+             "query_tiles", "sequence_folds")
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,13 @@ class PlanOptions:
     own); ``early_final`` (the last launch starts at the partial launch's start); ``host_nodes``
     (``False``: every computed node has items of its own); ``slot_runs`` (``False``: the page
     kernels only); ``query_tiles`` (a several-query plan as query tiles, or never; by default
-    where its tiles are full enough and no tree choice above is forced: ``query_tiles_win`` in
+    where its tiles are full enough and no tree choice is forced: ``query_tiles_win`` in
     csrc/planner/planner.h); ``query_block`` (a several-query tree plan's rows rounded to it:
-    ``ops.tree_attention.QUERY_BLOCK``). ``arch`` and ``num_sms`` plan a CPU allocator's
-    launches for that arch and SM count (the interpreter), or a GPU plan for another SM
-    count."""
+    ``ops.tree_attention.QUERY_BLOCK``); ``sequence_folds`` (a several-query tree plan's short
+    nodes that only one branch's queries read folded into their final ranges, or never; by
+    default where that plan estimates faster: ``kSequenceFoldTokens`` there). ``arch`` and
+    ``num_sms`` plan a CPU allocator's launches for that arch and SM count (the interpreter),
+    or a GPU plan for another SM count."""
     target_chunk: int | None = None
     separate_merge: bool | None = None
     flat: bool | None = None
@@ -62,6 +64,7 @@ class PlanOptions:
     host_nodes: bool | None = None
     slot_runs: bool | None = None
     query_tiles: bool | None = None
+    sequence_folds: bool | None = None
     query_block: int | None = None
     arch: str | None = None
     num_sms: int | None = None
