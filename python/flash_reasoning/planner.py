@@ -170,7 +170,8 @@ def plan(tree: SegmentTree, shape: Shape, options: PlanOptions | None = None,
     """The work of one decode step over ``tree`` (planning only: no kernels picked, no block
     tables read), as a :class:`~flash_reasoning.TreeAttentionPlan` of that tree would make it.
     ``options`` forces the planner's choices; ``row_sequence`` (int per row, rows of one
-    sequence consecutive: several queries of a branch) lets query tiles group rows.
+    sequence consecutive: several queries of a branch) lets query tiles group rows and a tree
+    plan fold a node only one sequence reads (``PlanOptions.sequence_folds``).
     ``ValueError`` when the partials would overflow the kernels' int32 indexing, for forced
     lanes out of range, or for a broken tree."""
     options = options or PlanOptions()
