@@ -147,8 +147,8 @@ def chosen_cases(args) -> tuple[dict, tuple]:
         return ({case["name"]: case for case in trees},
                 tuple(knob for knob in KNOBS if knob[0] in labels))
     if args.family:
-        size = 300  # the bench's family (its --family-size default): both halves
-        return {c["name"]: c for c in family.family_cases(args.family, size, half=args.half)}, KNOBS
+        cases = family.family_cases(args.family, family.SIZE, half=args.half)
+        return {c["name"]: c for c in cases}, KNOBS
     cases = {c["name"]: c for c in bench.table_cases(bench.load_cases(), cpu=False)}
     unknown = [name for name in args.cases if name not in cases]
     if unknown:

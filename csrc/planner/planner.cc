@@ -459,13 +459,6 @@ std::vector<SequenceRows> sequence_rows(int64_t rows, const int32_t* row_sequenc
   return sequences;
 }
 
-// Whether some sequence has several rows (`row_sequence` may be null).
-bool sequences_repeat(int64_t rows, const int32_t* row_sequence) {
-  for (int64_t i = 1; row_sequence && i < rows; ++i)
-    if (row_sequence[i] == row_sequence[i - 1]) return true;
-  return false;
-}
-
 // The tokens rows a and b of `t` read from the same slots: the end of their paths' last common
 // node.
 int64_t common_tokens(const SegmentTree& t, int64_t a, int64_t b) {
@@ -847,7 +840,8 @@ Status make_plan(const SegmentTree& tree, const PlanShape& shape, const PlanOpti
   if (plan_query_tiles(tree, shape, options, row_sequence, out)) return Status::Ok();
   Plan plan;
   // A sequence's own short nodes folded (kSequenceFoldTokens), or not, or the faster estimate.
-  const int32_t* sequences = sequences_repeat(tree.num_rows(), row_sequence) ? row_sequence : nullptr;
+  bool repeats = row_sequence && int64_t(sequence_rows(tree.num_rows(), row_sequence).size()) < tree.num_rows();
+  const int32_t* sequences = repeats ? row_sequence : nullptr;  // some sequence has several rows
   if (!(st = tree_plan(tree, shape, options, options.sequence_folds == 1 ? sequences : nullptr, &plan)).ok()) return st;
   Plan folded;
   if (sequences && options.sequence_folds < 0 && tree_plan(tree, shape, options, sequences, &folded).ok() &&

@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--family", choices=sorted(family.FAMILIES),
                               help="a generated family of trees and model shapes instead of "
                               "the table (small ones on CPU): docs/performance.md")
-    bench_parser.add_argument("--family-size", type=int, default=300,
-                              help="cases in the family, both halves (default 300)")
+    bench_parser.add_argument("--family-size", type=int, default=family.SIZE,
+                              help=f"cases in the family, both halves (default {family.SIZE})")
     bench_parser.add_argument("--seed", type=int, default=0, help="the family's seed")
     bench_parser.add_argument("--half", choices=(*family.HALVES, "all"), default="held-out",
                               help="the family's cases to run: the half rules may be fitted "

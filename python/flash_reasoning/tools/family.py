@@ -23,6 +23,8 @@ MODEL_HEADS = ((32, 8), (28, 4), (40, 8), (64, 8), (8, 1), (12, 2), (32, 32))
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 HALVES = ("fit", "held-out")
+#: Cases in the bench's family, both halves (``flash-reasoning bench --family-size``).
+SIZE = 300
 
 
 @dataclass(frozen=True)
