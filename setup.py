@@ -14,7 +14,7 @@ from glob import glob
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 #: The C++ core by layer (docs/architecture.md): util, runtime, planner, ops.
@@ -76,7 +76,10 @@ launcher = Pybind11Extension(
 
 setup(
     package_dir={"": "python"},
-    packages=find_packages("python"),
+    # Namespace packages: the data folders (_artifacts/<arch>, data, tuning, lib, include) are
+    # packages too, as setuptools asks of every folder that ships files.
+    packages=find_namespace_packages("python", include=["flash_reasoning*"],
+                                     exclude=["*.__pycache__"]),
     package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "tuning/*.json",
                                       "lib/*.so", "include/flash_reasoning/*.h"]},
     ext_modules=[launcher],

@@ -4,11 +4,12 @@ Kernels: append_kv (writes, decode steps, and the zeroing copy-on-write needs), 
 copies of copy-on-write, tree_partial (both tiles, closed and open items, paged and as one or
 two runs of slots, through TMA descriptors at head_dim 128 and 256 on sm90), tree_final (one
 branch per program, packed, packed heads first over 4 KB token rows, and packed with shared
-ranges) and tree_merge (plans of both merge modes), paged_decode unsplit and split (alone, and
-as the one launch of a plan with no partials), merge_splits. Trees: branches of length 0 and 1,
-exact block multiples, forks at 0 and inside blocks, decode steps over shared partial blocks,
-1024 branches. Every result is
-checked against the float64 reference; exits 1 on a wrong one.
+ranges; under draft masks too) and tree_merge (plans of both merge modes), tree_queries (query
+tiles), paged_decode unsplit and split (alone, and as the one launch of a plan with no
+partials), merge_splits. Trees: branches of length 0 and 1, exact block multiples, forks at 0
+and inside blocks, decode steps over shared partial blocks, 1024 branches, and 0-40 queries per
+branch (causal and under draft masks; as tree plans with and without folded leaves, and as
+query tiles). Every result is checked against the float64 reference; exits 1 on a wrong one.
 
 Every buffer a kernel may read is initialised, so initcheck reports only real reads of
 uninitialised memory: the pools' data blocks are poisoned with NaN first (a read of a slot
@@ -148,6 +149,7 @@ class Checker:
         self.decode_plans = 0  # plans with no partials: one paged_decode launch
         self.shared_plans = 0  # plans whose packed programs read a shared range once
         self.tma_head_dims: set[int] = set()  # head_dims of partial launches through TMA
+        self.query_tile_plans = 0  # several-query plans run as query tiles (tree_queries)
 
     def __call__(self, what: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         if out.is_cuda:
@@ -160,22 +162,36 @@ class Checker:
             self.failures.append(what)
 
 
-def queries(alloc, ids, group, seed=0):
+def queries(alloc, rows, group, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(len(ids), group * alloc.num_kv_heads, alloc.head_dim, generator=gen)
+    q = torch.randn(rows, group * alloc.num_kv_heads, alloc.head_dim, generator=gen)
     return q.to(alloc.dtype).to(DEVICE)
 
 
+def draft_masks(q_lens):
+    """Each branch's new tokens as a draft tree: query j sees itself and the earlier tokens of
+    its parity (two interleaved chains); every third branch stays causal."""
+    def mask(n):
+        j, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        return (k <= j) & ((j - k) % 2 == 0)
+    return [None if i % 3 == 2 else mask(n) for i, n in enumerate(q_lens)]
+
+
 def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,),
-               merges=(None,), lanes=(None,), flat=None) -> None:
-    """tree_attention in every layer (one plan per chunking, merge mode and final lanes), then
-    paged_decode over the same branches unsplit and split in four (the merge kernel)."""
-    q = queries(alloc, ids, group)
-    refs = [reference.tree_attention(q, alloc, ids, layer) for layer in range(alloc.num_layers)]
-    for chunk, merge, lane in itertools.product(chunks, merges, lanes):
-        plan = TreeAttentionPlan(alloc, ids, q.shape[1],
-                                 _options=PlanOptions(target_chunk=chunk, separate_merge=merge,
-                                                      final_lanes=lane, flat=flat))
+               merges=(None,), lanes=(None,), flat=None, q_lens=None, mask=None,
+               tiles=(None,), folds=(None,)) -> None:
+    """tree_attention in every layer (one plan per chunking, merge mode, final lanes, query
+    tiles and folds; ``q_lens`` and ``mask`` as tree_attention's), then, with one query per
+    branch, paged_decode over the same branches unsplit and split in four (the merge kernel)."""
+    q = queries(alloc, sum(q_lens) if q_lens else len(ids), group)
+    refs = [reference.tree_attention(q, alloc, ids, layer, q_lens=q_lens, mask=mask)
+            for layer in range(alloc.num_layers)]
+    for chunk, merge, lane, tile, fold in itertools.product(chunks, merges, lanes, tiles, folds):
+        options = PlanOptions(target_chunk=chunk, separate_merge=merge, final_lanes=lane,
+                              flat=flat, query_tiles=tile, sequence_folds=fold)
+        plan = TreeAttentionPlan(alloc, ids, q.shape[1], q_lens=q_lens, mask=mask,
+                                 _options=options)
+        check.query_tile_plans += len(plan.arrays.query_tiles) > 0
         check.tiles.update(plan.arrays.items)
         check.runs.update((tile, runs) for tile, runs in plan.slot_runs.items() if runs)
         check.orders.update(plan.arrays.heads_first.values())
@@ -191,7 +207,10 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
             out = plan.run(q, layer, torch.full_like(q, float("nan")))
             check(f"{name}: tree_attention layer {layer}, chunk {chunk}, separate merge "
                   f"{plan.arrays.separate_merge}, final lanes {plan.arrays.final_lanes}, "
-                  f"partial tiles {sorted(plan.arrays.items)}", out, refs[layer])
+                  f"partial tiles {sorted(plan.arrays.items)}, query tiles "
+                  f"{len(plan.arrays.query_tiles)}", out, refs[layer])
+    if q_lens is not None or not q.is_cuda:  # paged_decode: one query a branch, on a GPU
+        return
     tables, lengths = alloc.block_tables(ids)
     device = q.device
     for splits in (1, 4):
@@ -200,6 +219,11 @@ def check_tree(check: Checker, name: str, alloc, ids, group: int, chunks=(None,)
                                     1 / math.sqrt(alloc.head_dim), runtime.arch_of(device.index),
                                     runtime.num_sms(device.index), num_splits=splits), device)
         check(f"{name}: paged_decode, {splits} splits", out, refs[0])
+
+
+def launch_specs(plan):
+    """The Spec of each of a plan's launches (its kernels by manifest name)."""
+    return [runtime.spec_of(plan.arch, name) for name in plan.kernels]
 
 
 def main() -> int:
@@ -226,13 +250,21 @@ def main() -> int:
                    *shared_prefix_tree(8, broken, head_dim=256), 4, chunks=(None, 64))
     check_tree(check, f"{args.branches} branches", *wide_tree(args.branches), 4)
     check_tree(check, "deep, flat", *deep_tree(), 4, lanes=(None, 4, 8), flat=True)
+    for head_dim, group in ((128, 4), (64, 7)):
+        alloc, ids = shared_prefix_tree(8, broken=True, head_dim=head_dim)
+        q_lens = [0, 1, 4, 40, 7, 16, 33, 2]  # 40: every token of its leaf is new
+        for mask in (None, draft_masks(q_lens)):
+            check_tree(check, f"several queries d{head_dim} group {group}"
+                       f"{', draft masks' if mask else ''}", alloc, ids, group, q_lens=q_lens,
+                       mask=mask, merges=(False, True), tiles=(False, True), folds=(False, True))
     print(f"sanitize.py: {check.checks} checks, {len(check.failures)} wrong; tree_partial "
           f"tiles run: {sorted(check.tiles)} (contiguous, as (tile, runs): "
           f"{sorted(check.runs)}; heads first: {sorted(check.orders)}); "
           f"tree_final lanes run: {sorted(check.lanes)} (heads first: "
           f"{sorted(check.final_orders)}); plans run as a paged decode: "
           f"{check.decode_plans}; plans with shared ranges: {check.shared_plans}; "
-          f"partial launches through TMA at head_dim: {sorted(check.tma_head_dims)}",
+          f"partial launches through TMA at head_dim: {sorted(check.tma_head_dims)}; "
+          f"several-query plans as query tiles: {check.query_tile_plans}",
           flush=True)
     return 1 if check.failures else 0
 
@@ -240,7 +272,3 @@ def main() -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def launch_specs(plan):
-    """The Spec of each of a plan's launches (its kernels by manifest name)."""
-    return [runtime.spec_of(plan.arch, name) for name in plan.kernels]
