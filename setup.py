@@ -66,6 +66,20 @@ class BuildWithKernels(build_ext):
             del sys.path[:2]
 
 
+def make_built_folders() -> None:
+    """Makes the folders the build fills (ignored by git) before setuptools lists the packages,
+    so that it lists them whether or not a build ran before: it warns of data files in a folder
+    that is not a listed package."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+    try:
+        from aot.grid import ARCHS  # light: neither torch nor triton
+    finally:
+        del sys.path[:2]
+    package = ROOT / "python" / "flash_reasoning"
+    for folder in [*(f"_artifacts/{arch}" for arch in ARCHS), "lib", "include/flash_reasoning"]:
+        (package / folder).mkdir(parents=True, exist_ok=True)
+
+
 launcher = Pybind11Extension(
     "flash_reasoning._core",
     CORE_SOURCES + ["csrc/python/core_module.cc"],
@@ -74,10 +88,11 @@ launcher = Pybind11Extension(
     cxx_std=17,
 )
 
+make_built_folders()
 setup(
     package_dir={"": "python"},
-    # Namespace packages: the data folders (_artifacts/<arch>, data, tuning, lib, include) are
-    # packages too, as setuptools asks of every folder that ships files.
+    # Namespace packages: the folders of data files (_artifacts/<arch>, data, tuning, lib,
+    # include) are packages too, as setuptools asks of every folder that ships files.
     packages=find_namespace_packages("python", include=["flash_reasoning*"],
                                      exclude=["*.__pycache__"]),
     package_data={"flash_reasoning": ["_artifacts/*/*", "data/*.json", "tuning/*.json",
