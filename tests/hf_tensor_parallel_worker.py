@@ -58,6 +58,8 @@ def main(device: str, out: str, args: list[str]) -> None:
         dist.init_process_group("gloo")
         results = [decode_on_cpu(d) for d in args]
     torch.save(results, f"{out}.rank{dist.get_rank()}")
+    if device == "cpu":  # a gloo rank whose peer has gone aborts: none leaves before all are done
+        dist.barrier()
     dist.destroy_process_group()
 
 
