@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from glob import glob
 from pathlib import Path
 
@@ -57,24 +58,28 @@ class BuildWithKernels(build_ext):
         shutil.copy2(ROOT / "csrc/include/flash_reasoning/flash_reasoning.h", header_dir)
 
     def _build_kernels(self, out_dir: Path) -> None:
-        sys.path[:0] = [str(ROOT), str(ROOT / "python")]
-        try:
+        with checkout_on_path():
             from aot import build
             jobs = int(os.environ.get("FLASH_REASONING_AOT_JOBS", os.cpu_count() or 1))
             build.build(out_dir, build.archs_from_env(), jobs)
-        finally:
-            del sys.path[:2]
+
+
+@contextmanager
+def checkout_on_path():
+    """aot/ (the build side, never installed) and the package importable from the checkout."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+    try:
+        yield
+    finally:
+        del sys.path[:2]
 
 
 def make_built_folders() -> None:
     """Makes the folders the build fills (ignored by git) before setuptools lists the packages,
     so that it lists them whether or not a build ran before: it warns of data files in a folder
     that is not a listed package."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "python")]
-    try:
+    with checkout_on_path():
         from aot.grid import ARCHS  # light: neither torch nor triton
-    finally:
-        del sys.path[:2]
     package = ROOT / "python" / "flash_reasoning"
     for folder in [*(f"_artifacts/{arch}" for arch in ARCHS), "lib", "include/flash_reasoning"]:
         (package / folder).mkdir(parents=True, exist_ok=True)
